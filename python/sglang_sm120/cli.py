@@ -1,0 +1,189 @@
+"""``sglang-sm120``: show what the plugin sees and decides.
+
+    sglang-sm120 doctor [--tp N] [--model-arch A] [--json]
+        this machine: versions, GPUs, P2P, NVLink, NUMA, each patch's status, the plan
+    sglang-sm120 plan (--profile NAME | --topology FILE) --tp N [--model-arch A] [--json]
+        the plan for a machine you are not on
+    sglang-sm120 profiles
+        the embedded machine profiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from sglang_sm120 import SGLANG_PIN, __version__
+from sglang_sm120.facts import HostFacts, current_facts, facts_from_spec, profile_names
+from sglang_sm120.policy import AllReducePlan, Deployment, plan_allreduce
+
+
+def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> None:
+    parser.add_argument("--tp", type=int, required=tp_required, help="tensor-parallel size")
+    parser.add_argument("--model-arch", help="e.g. KimiK25ForConditionalGeneration")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--attention-dp", action="store_true")
+    parser.add_argument("--moe-a2a-backend", default="none")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--fusion-backend", help="as --flashinfer-allreduce-fusion-backend (auto, trtllm, ...)"
+    )
+    parser.add_argument("--enforce-disable-fusion", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
+    from sglang_sm120.runtime import pcie_ipc_env
+
+    return Deployment(
+        tp_size=tp_size,
+        nnodes=args.nnodes,
+        attention_dp=args.attention_dp,
+        moe_a2a_backend=args.moe_a2a_backend,
+        model_arch=args.model_arch,
+        dtype=args.dtype,
+        fusion_backend_flag=args.fusion_backend,
+        enforce_disable_fusion=args.enforce_disable_fusion,
+        pcie_ipc_env=pcie_ipc_env(),
+    )
+
+
+def _plan(facts: HostFacts, args: argparse.Namespace, tp_size: int) -> AllReducePlan:
+    from sglang_sm120.runtime import fusion_archs
+
+    return plan_allreduce(facts, _deployment(args, tp_size), fusion_archs())
+
+
+def _facts_lines(facts: HostFacts) -> list[str]:
+    lines = [f"facts from: {facts.source}"]
+    if facts.probe_error:
+        lines.append(f"  probe: {facts.probe_error}")
+    if facts.driver_version:
+        lines.append(f"  driver {facts.driver_version}, CUDA driver API {facts.cuda_driver_version}")
+    if not facts.gpus:
+        lines.append("  no NVIDIA GPU visible")
+        return lines
+    for g in facts.gpus:
+        numa = "?" if g.numa_node is None else g.numa_node
+        lines.append(f"  GPU{g.index}: {g.name}  SM{g.sm}  NUMA {numa}  {g.memory_gib or '?'} GiB")
+    lines.append(f"  NVLink: {'yes' if facts.has_nvlink else 'no'}   nodes: {facts.nnodes}")
+    lines.append("  P2P   " + " ".join(f"{i:>2}" for i in range(len(facts.gpus))))
+    for i, row in enumerate(facts.p2p):
+        cells = " ".join(" -" if i == j else (" Y" if ok else " N") for j, ok in enumerate(row))
+        lines.append(f"  GPU{i:<2} {cells}")
+    return lines
+
+
+def _plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
+    lines = [
+        f"plan for tp={tp_size}: fusion_backend={plan.fusion_backend or 'off'}  "
+        f"plain_allreduce={plan.plain_allreduce}  managed={plan.managed}"
+    ]
+    lines += [f"  - {reason}" for reason in plan.reasons]
+    return lines
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec = args.profile or args.topology
+    try:
+        facts = facts_from_spec(spec)
+    except ValueError as exc:
+        print(f"sglang-sm120 plan: {exc}", file=sys.stderr)
+        return 2
+    plan = _plan(facts, args, args.tp)
+    if args.json:
+        print(json.dumps({**plan.to_json(), "tp": args.tp, "facts_source": facts.source}, indent=1))
+    else:
+        print("\n".join(_facts_lines(facts) + _plan_lines(plan, args.tp)))
+    return 0
+
+
+def _plugin_state() -> dict[str, Any]:
+    """Load plugins exactly as an SGLang process does, then read what ours recorded."""
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_sm120.contract import check
+    from sglang_sm120.patches import PATCHES
+    from sglang_sm120.plugin import _REGISTRY_CONTRACT
+    from sglang_sm120.runtime import PATCH_STATUS
+
+    discovered = any(ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins"))
+    load_plugins()
+    return {
+        "entry_point_discovered": discovered,
+        "patches": dict(PATCH_STATUS)
+        or {"(none)": "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"},
+        "contract_problems": check(tuple(s for m in PATCHES for s in m.CONTRACT) + _REGISTRY_CONTRACT),
+    }
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    facts = current_facts()
+    tp_size = args.tp or max(len(facts.gpus), 1)
+    plan = _plan(facts, args, tp_size)
+    state = _plugin_state()
+    report = {
+        "sglang_sm120": __version__,
+        "sglang_pin": SGLANG_PIN,
+        "versions": facts.versions,
+        "facts": facts.to_json(),
+        "gpu_present": bool(facts.gpus),
+        "plan": {**plan.to_json(), "tp": tp_size},
+        **state,
+        "kill_switch": os.environ.get("SGLANG_SM120_DISABLE", ""),
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    lines = [f"sglang-sm120 {__version__} (for sglang {SGLANG_PIN})", "versions:"]
+    lines += [f"  {name}: {version or 'not installed'}" for name, version in facts.versions.items()]
+    lines += _facts_lines(facts)
+    if not facts.gpus:
+        lines.append("no GPU here: nothing to patch; use `sglang-sm120 plan --profile ...` to plan another machine")
+    lines.append(f"entry point sglang.srt.plugins -> sglang_sm120: "
+                 f"{'discovered' if state['entry_point_discovered'] else 'NOT discovered'}")
+    lines.append("patches:")
+    lines += [f"  {name:<22} {status}" for name, status in state["patches"].items()]
+    problems = state["contract_problems"]
+    lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
+    lines += [f"  - {p}" for p in problems]
+    lines += _plan_lines(plan, tp_size)
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    print("\n".join(profile_names()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang-sm120", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="this machine: facts, patch statuses, plan")
+    _add_deployment_args(doctor, tp_required=False)
+    doctor.set_defaults(func=cmd_doctor)
+    plan = sub.add_parser("plan", help="the plan for a machine described by a profile or file")
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", choices=profile_names())
+    source.add_argument("--topology", help="topology JSON file (format of the embedded profiles)")
+    _add_deployment_args(plan, tp_required=True)
+    plan.set_defaults(func=cmd_plan)
+    profiles = sub.add_parser("profiles", help="list the embedded machine profiles")
+    profiles.set_defaults(func=cmd_profiles)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

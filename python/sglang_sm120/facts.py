@@ -1,0 +1,294 @@
+"""Facts: one frozen description of the GPUs this process sees, and the software around them.
+
+Everything downstream (policy, patches, CLI) reads these facts and never probes the hardware
+itself. Facts come from one of three places, in this order:
+
+1. ``SGLANG_SM120_TOPOLOGY``: a topology JSON file path, or the name of an embedded profile
+   (``python/sglang_sm120/profiles/*.json``), for planning a machine you are not on and for tests;
+2. NVML (``nvidia-ml-py``), which answers without creating a CUDA context, so the launcher can
+   ask before it spawns its workers;
+3. nothing: no NVIDIA driver or no GPU, reported as such (zero GPUs), never an exception.
+
+Example::
+
+    facts = load_profile("rtx-pro-6000-x8-pcie")
+    facts.all_pairs_p2p(range(8)), facts.has_nvlink  # (True, False)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any
+
+TOPOLOGY_ENV = "SGLANG_SM120_TOPOLOGY"
+_PROFILE_PACKAGE = "sglang_sm120.profiles"
+_VERSIONED_PACKAGES = (
+    "sglang",
+    "sglang-kernel",
+    "flashinfer-python",
+    "torch",
+    "sgl-kernel-sm120",
+    "nvidia-cuda-runtime",
+)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One visible GPU, as CUDA numbers it in this process."""
+
+    index: int
+    name: str
+    capability: tuple[int, int]
+    numa_node: int | None = None
+    memory_gib: float | None = None
+
+    @property
+    def sm(self) -> int:
+        return self.capability[0] * 10 + self.capability[1]
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """The hardware and software this process runs on (or a profile of another machine)."""
+
+    source: str
+    gpus: tuple[GpuInfo, ...] = ()
+    p2p: tuple[tuple[bool, ...], ...] = ()
+    has_nvlink: bool = False
+    nnodes: int = 1
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    versions: dict[str, str | None] = field(default_factory=dict)
+    probe_error: str | None = None
+
+    def gpu_subset(self, count: int) -> tuple[GpuInfo, ...]:
+        """The GPUs a tensor-parallel group of ``count`` ranks uses (the first ``count``)."""
+        return self.gpus[:count]
+
+    def missing_p2p_pairs(self, indices: Iterable[int]) -> list[tuple[int, int]]:
+        """Pairs among ``indices`` that cannot access each other's memory directly."""
+        chosen = list(indices)
+        return [
+            (a, b)
+            for pos, a in enumerate(chosen)
+            for b in chosen[pos + 1 :]
+            if not (self.p2p[a][b] and self.p2p[b][a])
+        ]
+
+    def all_pairs_p2p(self, indices: Iterable[int]) -> bool:
+        return not self.missing_p2p_pairs(indices)
+
+    def numa_nodes(self, indices: Iterable[int]) -> list[int]:
+        return sorted({g.numa_node for g in self.gpus if g.index in set(indices)} - {None})
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["gpus"] = [{**asdict(g), "sm": g.sm} for g in self.gpus]
+        return data
+
+
+def _package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def facts_from_json(data: dict[str, Any], source: str) -> HostFacts:
+    """Build facts from a topology document (the format of the embedded profiles).
+
+    Raises ValueError naming the first field that is wrong, so a bad file is reported clearly.
+    """
+    try:
+        gpus = tuple(
+            GpuInfo(
+                index=i,
+                name=str(g["name"]),
+                capability=(int(g["capability"][0]), int(g["capability"][1])),
+                numa_node=None if g.get("numa_node") is None else int(g["numa_node"]),
+                memory_gib=g.get("memory_gib"),
+            )
+            for i, g in enumerate(data["gpus"])
+        )
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise ValueError(f"{source}: each entry of 'gpus' needs 'name' and 'capability' [major, minor] ({exc})") from exc
+    p2p_raw = data.get("p2p", "all")
+    if p2p_raw == "all":
+        p2p = tuple(tuple(True for _ in gpus) for _ in gpus)
+    elif p2p_raw == "none":
+        p2p = tuple(tuple(a == b for b in range(len(gpus))) for a in range(len(gpus)))
+    else:
+        p2p = tuple(tuple(bool(x) for x in row) for row in p2p_raw)
+        if len(p2p) != len(gpus) or any(len(row) != len(gpus) for row in p2p):
+            raise ValueError(f"{source}: 'p2p' must be 'all', 'none' or a {len(gpus)}x{len(gpus)} matrix")
+    return HostFacts(
+        source=source,
+        gpus=gpus,
+        p2p=p2p,
+        has_nvlink=bool(data.get("nvlink", False)),
+        nnodes=int(data.get("nnodes", 1)),
+        driver_version=data.get("driver_version"),
+        cuda_driver_version=data.get("cuda_driver_version"),
+        versions=_package_versions(),
+    )
+
+
+def profile_names() -> list[str]:
+    files = resources.files(_PROFILE_PACKAGE).iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+def load_profile(name: str) -> HostFacts:
+    """An embedded machine profile by name (see ``profile_names()``)."""
+    if name not in profile_names():
+        raise ValueError(f"unknown profile {name!r}; embedded profiles: {', '.join(profile_names())}")
+    text = resources.files(_PROFILE_PACKAGE).joinpath(f"{name}.json").read_text()
+    return facts_from_json(json.loads(text), source=f"profile:{name}")
+
+
+def load_topology(path: str | os.PathLike[str]) -> HostFacts:
+    """A topology JSON file describing another machine."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read topology file {path}: {exc}") from exc
+    return facts_from_json(data, source=f"file:{path}")
+
+
+def _visible_nvml_indices(count: int, nvml: Any) -> list[int]:
+    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES picks and orders what CUDA sees."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    chosen: list[int] = []
+    for token in (t.strip() for t in visible.split(",")):
+        if not token:
+            break
+        if token.isdigit():
+            if int(token) >= count:
+                break
+            chosen.append(int(token))
+            continue
+        matches = [
+            i
+            for i in range(count)
+            if _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))).startswith(token)
+        ]
+        if not matches:
+            break
+        chosen.append(matches[0])
+    return chosen
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _numa_node(nvml: Any, handle: Any) -> int | None:
+    bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId).lower()
+    # NVML reports an 8-digit PCI domain; sysfs uses 4.
+    sysfs_id = bus_id[-12:] if len(bus_id) > 12 else bus_id
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{sysfs_id}/numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def _has_nvlink(nvml: Any, handle: Any) -> bool:
+    for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(handle, link) == nvml.NVML_FEATURE_ENABLED:
+                return True
+        except nvml.NVMLError:
+            continue
+    return False
+
+
+def _p2p_ok(nvml: Any, a: Any, b: Any) -> bool:
+    """Both directions of peer reads and writes: the push kernels need writes, tuning reads."""
+    for cap in (nvml.NVML_P2P_CAPS_INDEX_READ, nvml.NVML_P2P_CAPS_INDEX_WRITE):
+        try:
+            if nvml.nvmlDeviceGetP2PStatus(a, b, cap) != nvml.NVML_P2P_STATUS_OK:
+                return False
+        except nvml.NVMLError:
+            return False
+    return True
+
+
+def probe_host() -> HostFacts:
+    """Read this machine through NVML. Never raises: failures are recorded in ``probe_error``."""
+    versions = _package_versions()
+    try:
+        import pynvml as nvml
+    except ImportError:
+        return HostFacts(source="nvml", versions=versions, probe_error="nvidia-ml-py is not installed")
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return HostFacts(source="nvml", versions=versions, probe_error=f"NVML unavailable: {exc}")
+    try:
+        indices = _visible_nvml_indices(nvml.nvmlDeviceGetCount(), nvml)
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        gpus = tuple(
+            GpuInfo(
+                index=pos,
+                name=_text(nvml.nvmlDeviceGetName(h)),
+                capability=tuple(nvml.nvmlDeviceGetCudaComputeCapability(h)),
+                numa_node=_numa_node(nvml, h),
+                memory_gib=round(nvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1),
+            )
+            for pos, h in enumerate(handles)
+        )
+        p2p = tuple(
+            tuple(a is b or _p2p_ok(nvml, a, b) for b in handles) for a in handles
+        )
+        cuda_driver = nvml.nvmlSystemGetCudaDriverVersion()
+        return HostFacts(
+            source="nvml",
+            gpus=gpus,
+            p2p=p2p,
+            has_nvlink=any(_has_nvlink(nvml, h) for h in handles),
+            driver_version=_text(nvml.nvmlSystemGetDriverVersion()),
+            cuda_driver_version=f"{cuda_driver // 1000}.{cuda_driver % 1000 // 10}",
+            versions=versions,
+        )
+    except Exception as exc:
+        return HostFacts(source="nvml", versions=versions, probe_error=f"NVML query failed: {exc}")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def facts_from_spec(spec: str) -> HostFacts:
+    """A profile name or a topology file path."""
+    return load_profile(spec) if spec in profile_names() else load_topology(spec)
+
+
+@functools.cache
+def current_facts() -> HostFacts:
+    """The facts for this process, read once: ``SGLANG_SM120_TOPOLOGY`` if set, else NVML."""
+    spec = os.environ.get(TOPOLOGY_ENV)
+    return facts_from_spec(spec) if spec else probe_host()
+
+
+def describe_gpus(gpus: Sequence[GpuInfo]) -> str:
+    """'8x NVIDIA RTX PRO 6000 (SM120)' or a comma list when they differ."""
+    if not gpus:
+        return "no GPU"
+    kinds = sorted({(g.name, g.sm) for g in gpus})
+    if len(kinds) == 1:
+        name, sm = kinds[0]
+        return f"{len(gpus)}x {name} (SM{sm})"
+    return ", ".join(f"GPU{g.index} {g.name} (SM{g.sm})" for g in gpus)

@@ -1,0 +1,36 @@
+"""The patch ledger: one module per upstream seam, each headed by Why / How / Upstream / Removal.
+
+| module                 | upstream seam                                        | effect on SM12x            |
+|------------------------|------------------------------------------------------|----------------------------|
+| fusion_auto_enable     | arg_groups/overrides auto-enable pass                | plan's fusion backend      |
+| resolve_backend        | flashinfer_comm_fusion._resolve_backend              | trtllm resolves, no crash  |
+| fusion_applies         | add_norm._is_sm90_supported (per-call gate)          | fused points run           |
+| workspace_preflight    | trtllm workspace sizing (multicast granularity)      | preflight passes on PCIe   |
+| pcie_ipc_enable        | pcie_ipc_ar.eligible_group                           | PCIe-IPC on by default     |
+| allreduce_precedence   | parallel_state.set_flashinfer_allreduce_only         | plain AR -> PCIe-IPC first |
+
+A patch module provides ``CONTRACT`` (the upstream symbols it touches), ``HOOKS`` (hook-registry
+rows), ``not_needed(capability)`` and optionally ``after_apply()`` / ``is_applied()``.
+"""
+
+from sglang_sm120.patches import (
+    allreduce_precedence,
+    fusion_applies,
+    fusion_auto_enable,
+    pcie_ipc_enable,
+    resolve_backend,
+    workspace_preflight,
+)
+
+PATCHES = (
+    fusion_auto_enable,
+    resolve_backend,
+    fusion_applies,
+    workspace_preflight,
+    pcie_ipc_enable,
+    allreduce_precedence,
+)
+
+
+def patch_name(module) -> str:
+    return module.__name__.rsplit(".", 1)[-1]

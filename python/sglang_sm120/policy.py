@@ -1,0 +1,197 @@
+"""Policy: pure decisions, each with its reason, from facts and the deployment's server args.
+
+Nothing here probes hardware or imports sglang; patches and the CLI call these functions with
+facts they were given. Two questions are answered:
+
+- ``hardware_capability(facts, tp_size)``: what this host can run at all (used by the patches
+  that load before server args exist);
+- ``plan_allreduce(facts, deployment, fusion_archs)``: what a given server launch should use.
+
+Rules (the README's table; test/unit/test_policy.py checks each row):
+
+* Not every TP GPU is SM12x: upstream behaviour, untouched (``managed`` is False).
+* Fused all-reduce + residual + RMSNorm (FlashInfer ``trtllm``): allowed on SM12x single node
+  when every GPU pair of the TP group has P2P (the kernel pushes to every peer), with no
+  attention-DP and no MoE all-to-all, for model architectures upstream fuses. Turned on by
+  default at TP2 only (FlashInfer PR #3903: +2-5% decode at TP2 on SM120); at TP4/TP8 over PCIe
+  it stays off unless asked for (upstream PR #32330 regressed TP4).
+* Plain all-reduce: upstream's FlashInfer PCIe-IPC kernels at TP 2/4/8 on single-node, PCIe-only,
+  all-pairs-P2P SM12x hosts, ahead of the fused backend's all-to-all kernel; NCCL otherwise.
+* The user's explicit choices win (``--enforce-disable-flashinfer-allreduce-fusion``, an explicit
+  backend, ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``) unless the hardware cannot run them: then the
+  choice is refused with its reason and NCCL is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_sm120.facts import HostFacts, describe_gpus
+
+PCIE_IPC_WORLD_SIZES = (2, 4, 8)
+FUSION_AUTO_TP_SIZES = (2,)
+FUSION_BACKENDS_RUNNABLE_ON_SM12X = ("auto", "trtllm")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The server args the decisions depend on; ``None`` where a caller does not know."""
+
+    tp_size: int
+    nnodes: int = 1
+    attention_dp: bool = False
+    moe_a2a_backend: str = "none"
+    model_arch: str | None = None
+    dtype: str | None = "bfloat16"
+    fusion_backend_flag: str | None = None
+    enforce_disable_fusion: bool = False
+    pcie_ipc_env: bool | None = None
+    deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What the hardware of a TP group allows, independent of server args."""
+
+    sm12x: bool
+    fusion_capable: bool
+    pcie_ipc_capable: bool
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AllReducePlan:
+    """What one server launch uses; ``reasons`` explains every field."""
+
+    managed: bool
+    fusion_backend: str | None
+    plain_allreduce: str
+    reasons: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "managed": self.managed,
+            "fusion_backend": self.fusion_backend,
+            "plain_allreduce": self.plain_allreduce,
+            "reasons": list(self.reasons),
+        }
+
+    def summary(self) -> str:
+        fusion = self.fusion_backend or "off"
+        return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(self.reasons)
+
+
+def hardware_capability(facts: HostFacts, tp_size: int | None = None) -> Capability:
+    """Whether the (first ``tp_size``) GPUs are SM12x, and what their links allow."""
+    if facts.probe_error and not facts.gpus:
+        return Capability(False, False, False, (f"no GPU facts: {facts.probe_error}",))
+    gpus = facts.gpu_subset(tp_size or len(facts.gpus))
+    if not gpus:
+        return Capability(False, False, False, ("no NVIDIA GPU visible",))
+    if any(g.capability[0] != 12 for g in gpus):
+        return Capability(
+            False, False, False, (f"{describe_gpus(gpus)}: not SM12x, upstream behaviour untouched",)
+        )
+    indices = [g.index for g in gpus]
+    missing = facts.missing_p2p_pairs(indices)
+    if len(gpus) < 2:
+        return Capability(True, False, False, (f"{describe_gpus(gpus)}: one GPU, no all-reduce",))
+    if missing:
+        pairs = ", ".join(f"{a}-{b}" for a, b in missing[:4]) + (" ..." if len(missing) > 4 else "")
+        reason = (
+            f"no P2P between GPUs {pairs}: IPC all-reduce kernels need direct peer access "
+            "(GeForce cards need a P2P-enabled driver); NCCL"
+        )
+        return Capability(True, False, False, (reason,))
+    numa = facts.numa_nodes(indices)
+    where = f", NUMA nodes {numa}" if len(numa) > 1 else ""
+    links = "NVLink" if facts.has_nvlink else "PCIe only"
+    reasons = [f"{describe_gpus(gpus)}, {links}, P2P on all pairs{where}"]
+    return Capability(
+        sm12x=True,
+        fusion_capable=True,
+        pcie_ipc_capable=not facts.has_nvlink,
+        reasons=tuple(reasons),
+    )
+
+
+def _plan_fusion(
+    cap: Capability, facts: HostFacts, d: Deployment, fusion_archs: Collection[str]
+) -> tuple[str | None, str]:
+    flag = d.fusion_backend_flag
+    if d.enforce_disable_fusion:
+        return None, "fusion off: --enforce-disable-flashinfer-allreduce-fusion"
+    if d.tp_size <= 1:
+        return None, "fusion off: tp=1 has no all-reduce"
+    if d.model_arch is None:
+        return None, "fusion not planned: model architecture unknown (pass --model-arch)"
+    if d.model_arch not in fusion_archs:
+        return None, f"fusion off: upstream has no fused all-reduce path for {d.model_arch}"
+    if d.nnodes > 1 or facts.nnodes > 1:
+        return None, "fusion off: the trtllm fused kernel is single-node only"
+    if d.attention_dp:
+        return None, "fusion off: attention data-parallelism"
+    if d.moe_a2a_backend != "none":
+        return None, f"fusion off: MoE all-to-all backend {d.moe_a2a_backend}"
+    if not cap.fusion_capable:
+        refused = f" (requested {flag} refused)" if flag else ""
+        return None, f"fusion off{refused}: {cap.reasons[0]}"
+    if flag is not None:
+        if flag not in FUSION_BACKENDS_RUNNABLE_ON_SM12X:
+            return None, (
+                f"fusion off: backend {flag} refused on SM12x (mnnvl needs an NVLink fabric, "
+                "cutedsl needs SM100); use trtllm"
+            )
+        return "trtllm", f"fusion trtllm: requested with --flashinfer-allreduce-fusion-backend {flag}"
+    if d.tp_size in FUSION_AUTO_TP_SIZES:
+        return "trtllm", "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)"
+    if facts.has_nvlink:
+        return None, (
+            f"fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
+            "(opt in with --flashinfer-allreduce-fusion-backend trtllm)"
+        )
+    return None, (
+        f"fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 regressed TP4 "
+        "(opt in with --flashinfer-allreduce-fusion-backend trtllm)"
+    )
+
+
+def _plan_plain(cap: Capability, facts: HostFacts, d: Deployment, fusion: str | None) -> tuple[str, str]:
+    if d.tp_size <= 1:
+        return "none", "plain all-reduce: none at tp=1"
+    if d.nnodes > 1 or facts.nnodes > 1:
+        return "nccl", "plain all-reduce NCCL: multi-node"
+    if not cap.fusion_capable:
+        return "nccl", f"plain all-reduce NCCL: {cap.reasons[0]}"
+    if not cap.pcie_ipc_capable:
+        return "upstream", "plain all-reduce: NVLink present, upstream's custom all-reduce or NCCL"
+    if d.tp_size not in PCIE_IPC_WORLD_SIZES:
+        return "nccl", f"plain all-reduce NCCL: PCIe-IPC kernels exist for TP 2/4/8, not {d.tp_size}"
+    if d.pcie_ipc_env is False:
+        return "nccl", "plain all-reduce NCCL: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user"
+    if d.deterministic:
+        return "nccl", "plain all-reduce NCCL: deterministic inference (PCIe-IPC picks tactics per shape)"
+    if d.dtype is not None and d.dtype != "bfloat16":
+        return "nccl", f"plain all-reduce NCCL: PCIe-IPC serves bf16 only, model dtype is {d.dtype}"
+    ahead = ", ahead of the fused backend's all-to-all kernel" if fusion else ""
+    return "pcie_ipc", (
+        f"plain all-reduce PCIe-IPC{ahead}: staged push kernels for decode/verify-sized "
+        "reductions (max_bs x draft tokens x hidden); larger ones stay on NCCL's ring"
+    )
+
+
+def plan_allreduce(
+    facts: HostFacts, deployment: Deployment, fusion_archs: Collection[str]
+) -> AllReducePlan:
+    """The all-reduce plan for one launch. Pure: same inputs, same plan."""
+    cap = hardware_capability(facts, deployment.tp_size)
+    if not cap.sm12x:
+        return AllReducePlan(False, None, "upstream", cap.reasons)
+    if deployment.nnodes == 1 and deployment.tp_size > len(facts.gpus):
+        reason = f"tp={deployment.tp_size} needs {deployment.tp_size} GPUs, {len(facts.gpus)} visible: NCCL"
+        return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
+    fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
+    plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)
+    return AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason))

@@ -1,0 +1,116 @@
+"""Glue between a running sglang process and the policy: build ``Deployment`` from what sglang
+resolved, compute the plan, record patch statuses, and log each decision once per process.
+
+Patches call ``plan_for_view`` (launcher, while server args resolve) or ``plan_for_runtime``
+(scheduler/TP workers, after the runtime context is published); they never decide themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+from sglang_sm120.facts import current_facts
+from sglang_sm120.policy import (
+    AllReducePlan,
+    Capability,
+    Deployment,
+    hardware_capability,
+    plan_allreduce,
+)
+
+logger = logging.getLogger("sglang_sm120")
+
+PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
+
+#: patch name -> "applied" | "not needed (...)" | "refused (...)" | "disabled (...)"
+PATCH_STATUS: dict[str, str] = {}
+_logged: set[str] = set()
+
+
+def log_once(level: int, message: str) -> None:
+    """Log ``message`` the first time this process sees it."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
+
+
+@functools.cache
+def load_capability() -> Capability:
+    """What every visible GPU allows (tp size not yet known when the plugin loads)."""
+    return hardware_capability(current_facts())
+
+
+def fusion_archs() -> frozenset[str]:
+    """Upstream's own list of architectures with a fused all-reduce path."""
+    from sglang.srt.arg_groups.overrides import _FLASHINFER_ALLREDUCE_FUSION_ARCHS
+
+    return _FLASHINFER_ALLREDUCE_FUSION_ARCHS
+
+
+def pcie_ipc_env() -> bool | None:
+    """The user's explicit SGLANG_ENABLE_PCIE_IPC_ALLREDUCE, or None when unset."""
+    raw = os.environ.get(PCIE_IPC_ENV)
+    if raw is None:
+        return None
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def deployment_from_view(view: Any) -> Deployment:
+    """Read a Deployment from sglang's resolution view (launcher / Engine process)."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+    from sglang.srt.runtime_context import attn_dp_enabled_of
+
+    model_config = model_config_of(view)
+    return Deployment(
+        tp_size=view.tp_size,
+        nnodes=view.nnodes,
+        attention_dp=attn_dp_enabled_of(view),
+        moe_a2a_backend=view.moe_a2a_backend,
+        model_arch=model_config.hf_config.architectures[0],
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        fusion_backend_flag=view.flashinfer_allreduce_fusion_backend,
+        enforce_disable_fusion=bool(view.enforce_disable_flashinfer_allreduce_fusion),
+        pcie_ipc_env=pcie_ipc_env(),
+        deterministic=bool(view.enable_deterministic_inference),
+    )
+
+
+def deployment_from_runtime(*, deterministic: bool | None = None) -> Deployment:
+    """Read a Deployment from the published runtime context (scheduler / TP worker process).
+
+    Only the fields the worker-side patches need are filled: the fusion backend has already
+    been resolved in the launcher, so model architecture and dtype stay unknown here.
+    """
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    parallel = get_parallel()
+    if deterministic is None:
+        deterministic = bool(envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get())
+    return Deployment(
+        tp_size=parallel.tp_size,
+        nnodes=parallel.nnodes,
+        dtype=None,
+        fusion_backend_flag=get_exec().comm.flashinfer_allreduce_fusion_backend,
+        pcie_ipc_env=pcie_ipc_env(),
+        deterministic=deterministic,
+    )
+
+
+def plan_for(deployment: Deployment, where: str) -> AllReducePlan:
+    """Plan with this process's facts and log it once."""
+    plan = plan_allreduce(current_facts(), deployment, fusion_archs())
+    if plan.managed:
+        log_once(logging.INFO, f"sglang-sm120 plan ({where}, tp={deployment.tp_size}): {plan.summary()}")
+    return plan
+
+
+def plan_for_view(view: Any) -> AllReducePlan:
+    return plan_for(deployment_from_view(view), "server args")
+
+
+def plan_for_runtime(*, deterministic: bool | None = None) -> AllReducePlan:
+    return plan_for(deployment_from_runtime(deterministic=deterministic), "worker")

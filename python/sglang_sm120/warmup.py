@@ -1,0 +1,193 @@
+"""Build the JIT kernels the server needs before the server starts (`sglang-sm120 warmup`).
+
+Without this, the first server start compiles them itself, in the middle of CUDA-graph capture:
+FlashInfer's TRT-LLM all-reduce fusion module took ~9 minutes on 2 cores, and SGLang's EAGLE
+tree/verify/sampling kernels are tvm-ffi JIT builds for the local GPU. Each step calls the
+upstream loader the server itself calls, so the build lands in the same cache (FlashInfer:
+~/.cache/flashinfer/<version>/<archs>/cached_ops; SGLang: ~/.cache/sglang/jit), keyed by the
+visible GPUs' archs: run it with the same CUDA_VISIBLE_DEVICES and environment as the server.
+
+    for step in run_warmup():
+        print(step.name, step.status, f"{step.seconds:.1f}s")
+
+Statuses are data the CLI prints: 'built', 'cached' (nothing new was compiled, so a second run
+reports this), 'skipped: <reason>', 'failed: <reason>'. Nothing here raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Vocabulary sizes of DeepSeek-V3 (129280) and Kimi-K2.5 (163840) are multiples of 4, and
+# SGLang picks its sampling kernel's vector width as gcd(4, vocab_size).
+DEFAULT_VOCAB_SIZE = 163840
+
+
+@dataclass(frozen=True)
+class WarmupTarget:
+    """One upstream loader to call, and where its build output lands.
+
+    `function` and `cache_dir` are "module:attribute" strings resolved at run time, so an
+    upstream rename fails `resolve()` (and the CPU test) rather than silently doing nothing.
+    `cache_dir` names either a Path or a zero-argument function returning one; `arguments`
+    maps the model's vocabulary size to the loader's arguments.
+    """
+
+    name: str
+    package: str
+    function: str
+    cache_dir: str
+    arguments: Callable[[int], tuple[Any, ...]] = lambda vocab_size: ()
+    supported_majors: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    name: str
+    target: str
+    status: str
+    seconds: float
+
+
+WARMUP_TARGETS = (
+    WarmupTarget(
+        name="FlashInfer TRT-LLM all-reduce fusion module (trtllm_comm)",
+        package="flashinfer",
+        function="flashinfer.comm.trtllm_ar:get_trtllm_comm_module",
+        cache_dir="flashinfer.jit.env:FLASHINFER_JIT_DIR",
+        # flashinfer/jit/comm.py gen_trtllm_comm_module: supported_major_versions=[9, 10, 12].
+        supported_majors=(9, 10, 12),
+    ),
+    WarmupTarget(
+        name="SGLang EAGLE tree build + greedy verify kernels (speculative_tree)",
+        package="sglang",
+        function="sglang.kernels.ops.speculative.tree:_jit_tree_module",
+        cache_dir="sglang.kernels.jit.utils.compile.cache:cache_root",
+    ),
+    WarmupTarget(
+        name="SGLang EAGLE tree sampling kernel (speculative_sampling)",
+        package="sglang",
+        function="sglang.kernels.ops.speculative.sampling:_jit_sampling_module",
+        cache_dir="sglang.kernels.jit.utils.compile.cache:cache_root",
+        # EAGLE verify (srt/speculative/eagle_utils.py) calls tree_speculative_sampling_target_only
+        # with deterministic=True, which builds _jit_sampling_module(gcd(4, vocab), True).
+        arguments=lambda vocab_size: (math.gcd(4, vocab_size), True),
+    ),
+)
+
+
+def resolve(reference: str) -> Any:
+    """Import "package.module:attribute" and return the attribute."""
+    module_name, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _cache_directory(target: WarmupTarget) -> Path:
+    location = resolve(target.cache_dir)
+    return Path(location() if callable(location) else location)
+
+
+def _built_libraries(directory: Path) -> dict[Path, int]:
+    """Shared objects under a JIT cache and their mtimes: a change means something was built."""
+    if not directory.is_dir():
+        return {}
+    return {path: path.stat().st_mtime_ns for path in directory.rglob("*.so")}
+
+
+def _visible_capability() -> tuple[int, int] | None:
+    """Capability of the first GPU torch sees, or None without a usable GPU."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return tuple(torch.cuda.get_device_capability(0))
+    except Exception as error:  # a broken driver must read as "no GPU", not crash the CLI
+        logger.debug("no usable CUDA GPU: %s", error)
+        return None
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def _skip_reason(
+    target: WarmupTarget, capability: tuple[int, int] | None, has_gpu: bool | None
+) -> str | None:
+    if importlib.util.find_spec(target.package) is None:
+        return f"{target.package} is not installed"
+    if capability is not None and target.supported_majors is not None:
+        if capability[0] not in target.supported_majors:
+            majors = "/".join(f"SM{major}x" for major in target.supported_majors)
+            return (
+                f"upstream builds it only for {majors}; this GPU is {capability[0]}.{capability[1]}"
+            )
+    if has_gpu is False:
+        return "no CUDA GPU visible to torch (JIT builds target the local GPU)"
+    return None
+
+
+def run_step(target: WarmupTarget, vocab_size: int = DEFAULT_VOCAB_SIZE) -> WarmupStep:
+    """Call one loader now (no GPU or package checks) and say whether it compiled anything."""
+    start = time.perf_counter()
+    try:
+        loader: Callable[..., Any] = resolve(target.function)
+        cache = _cache_directory(target)
+        before = _built_libraries(cache)
+        loader(*target.arguments(vocab_size))
+        after = _built_libraries(cache)
+    except Exception as error:
+        logger.warning("warmup step %r failed", target.name, exc_info=True)
+        status = f"failed: {_one_line(error)}"
+    else:
+        status = "built" if after != before else "cached"
+    return WarmupStep(target.name, target.function, status, time.perf_counter() - start)
+
+
+def run_warmup(
+    capability: tuple[int, int] | None = None,
+    *,
+    dry_run: bool = False,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> list[WarmupStep]:
+    """Build (or find cached) every JIT module in WARMUP_TARGETS; safe to run repeatedly.
+
+    `capability` is the GPU's (major, minor) when the caller already knows it (from facts);
+    otherwise torch is asked. A dry run lists the steps and what would stop them, and neither
+    imports the upstream packages nor needs a GPU.
+    """
+    has_gpu: bool | None = None
+    if not dry_run:
+        visible = _visible_capability()
+        has_gpu = visible is not None
+        capability = capability or visible
+    steps = []
+    for target in WARMUP_TARGETS:
+        reason = _skip_reason(target, capability, has_gpu)
+        if reason is not None:
+            steps.append(WarmupStep(target.name, target.function, f"skipped: {reason}", 0.0))
+        elif dry_run:
+            steps.append(WarmupStep(target.name, target.function, "skipped: dry run", 0.0))
+        else:
+            steps.append(run_step(target, vocab_size))
+    return steps
+
+
+def format_steps(steps: list[WarmupStep]) -> str:
+    """A table a person reads: one line per step, then the total time."""
+    width = max((len(step.name) for step in steps), default=0)
+    lines = [f"{step.name:<{width}}  {step.seconds:7.1f}s  {step.status}" for step in steps]
+    lines.append(f"{'total':<{width}}  {sum(step.seconds for step in steps):7.1f}s")
+    return "\n".join(lines)

@@ -1,0 +1,550 @@
+// Push all-reduce and fused all-reduce + residual add + RMSNorm for PCIe-connected GPUs.
+//
+// Protocol (see README.md, "How the kernel works"):
+// - Ranks only ever WRITE to peers (push) and READ their own memory: remote reads (pull) stall
+//   badly or hang over PCIe P2P.
+// - Each rank keeps a call counter (epoch) in its own device memory, advanced by the kernel
+//   itself, so CUDA graph replays need no host work. A peer announces "my data for call e is in
+//   your buffer" by storing e into a flag in the receiver's memory (release), the receiver polls
+//   its local flag (acquire).
+// - Buffer reuse: a rank can only be one call ahead of its slowest peer (finishing call e needs
+//   every peer's data of call e). One-shot data therefore alternates between two parities: a
+//   peer writes call e+1 into the other half while we may still read call e. The two-shot
+//   phases are safe without parity: their second round acts as the end barrier of the first.
+// - Every wait is bounded by %globaltimer; on expiry the kernel records the error in device
+//   memory and in a host-mapped mirror and returns (no trap: that would kill the context). A
+//   workspace with a recorded error turns every later launch into a no-op.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "sk_api.h"
+
+#define SK_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int kVecElems = 8;  // 16-bit elements in one 16-byte vector
+constexpr int kMaxHidden = 16384;
+constexpr int kMaxVecPerThread = kMaxHidden / kVecElems / SK_THREADS;  // row held in registers
+constexpr int kWarps = SK_THREADS / 32;
+constexpr int kKindPush = 0;
+constexpr int kKindGather = 1;
+
+static_assert(SK_MAX_RANKS * SK_MAX_BLOCKS <= SK_THREADS, "one polling thread per flag");
+
+struct Shared {
+  int abort;
+  uint32_t epoch;
+  float red[kWarps];
+};
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_volatile(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+// Epochs wrap around at 2^32; compare by signed distance.
+__device__ __forceinline__ bool reached(uint32_t flag, uint32_t epoch) {
+  return static_cast<int32_t>(flag - epoch) >= 0;
+}
+
+__device__ __forceinline__ size_t flag_index(int kind, int parity, int src, int block) {
+  return ((static_cast<size_t>(kind) * 2 + parity) * SK_MAX_RANKS + src) * SK_MAX_BLOCKS + block;
+}
+
+template <typename T>
+struct Vec8;
+
+template <>
+struct Vec8<__nv_bfloat16> {
+  static __device__ __forceinline__ void add_to(float (&acc)[8], const uint4& u) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  static __device__ __forceinline__ uint4 pack(const float (&f)[8]) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return u;
+  }
+};
+
+template <>
+struct Vec8<__half> {
+  static __device__ __forceinline__ void add_to(float (&acc)[8], const uint4& u) {
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  static __device__ __forceinline__ uint4 pack(const float (&f)[8]) {
+    uint4 u;
+    __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    return u;
+  }
+};
+
+__device__ __forceinline__ void zero(float (&acc)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+}
+
+// Sum of every rank's vector, always in rank order so that all ranks get identical bits.
+// Rank r's own vector comes from its input; the others from the slots peers pushed into.
+template <typename T>
+__device__ __forceinline__ void sum_ranks(float (&acc)[8], const uint4* slots, int64_t slot_vecs,
+                                          int64_t slot_index, const uint4* input,
+                                          int64_t input_index, int world, int rank) {
+  uint4 u[SK_MAX_RANKS];
+#pragma unroll
+  for (int j = 0; j < SK_MAX_RANKS; ++j) {
+    if (j < world) {
+      u[j] = (j == rank) ? input[input_index] : __ldcg(slots + j * slot_vecs + slot_index);
+    }
+  }
+  zero(acc);
+#pragma unroll
+  for (int j = 0; j < SK_MAX_RANKS; ++j) {
+    if (j < world) Vec8<T>::add_to(acc, u[j]);
+  }
+}
+
+__device__ float block_sum(float x, Shared& sh) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  if (threadIdx.x % 32 == 0) sh.red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += sh.red[w];
+  __syncthreads();  // sh.red is reused by the next row
+  return total;
+}
+
+__device__ void report_timeout(const SkLaunchParams& p, int src, int kind, uint32_t epoch) {
+  uint32_t* ctl = p.control;
+  if (atomicCAS(ctl + SK_CTRL_ERR_CODE, 0u, 1u) != 0u) return;  // first error wins
+  volatile uint32_t* dev = ctl;
+  dev[SK_CTRL_ERR_SRC] = static_cast<uint32_t>(src);
+  dev[SK_CTRL_ERR_KIND] = static_cast<uint32_t>(kind);
+  dev[SK_CTRL_ERR_EPOCH] = epoch;
+  volatile uint32_t* host = p.error_host;
+  host[SK_CTRL_ERR_SRC] = static_cast<uint32_t>(src);
+  host[SK_CTRL_ERR_KIND] = static_cast<uint32_t>(kind);
+  host[SK_CTRL_ERR_EPOCH] = epoch;
+  __threadfence_system();
+  host[SK_CTRL_ERR_CODE] = 1u;
+  __threadfence_system();
+}
+
+// Tells ranks rank+1, rank+2, ... (and, with include_self, this rank's other blocks) that this
+// block's data of call `epoch` has landed in their memory.
+__device__ void signal(const SkLaunchParams& p, int kind, int parity, uint32_t epoch, int block,
+                       bool include_self) {
+  __syncthreads();  // every thread's stores precede the release below
+  const int n = p.world_size - 1 + (include_self ? 1 : 0);
+  const int t = threadIdx.x;
+  if (t < n) {
+    const int dst = (p.rank + 1 + t) % p.world_size;  // t == world_size - 1 is this rank
+    st_release_sys(p.flags[dst] + flag_index(kind, parity, p.rank, block), epoch);
+  }
+}
+
+// Waits until blocks [block_lo, block_lo + nblocks) of every other rank (and of this rank with
+// include_self) signalled call `epoch`; one polling thread per flag. Returns false when the
+// block must give up (a wait timed out); the result is the same for all threads of the block.
+__device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int parity, uint32_t epoch,
+                         int block_lo, int nblocks, bool include_self) {
+  const int t = threadIdx.x;
+  if (t < p.world_size * nblocks) {
+    const int src = t / nblocks;
+    const int block = block_lo + t % nblocks;
+    if (src != p.rank || include_self) {
+      const uint32_t* flag = p.flags[p.rank] + flag_index(kind, parity, src, block);
+      if (!reached(ld_acquire_sys(flag), epoch)) {
+        const uint64_t start = globaltimer_ns();
+        while (!reached(ld_acquire_sys(flag), epoch)) {
+          if (*reinterpret_cast<volatile int*>(&sh.abort)) break;
+          if (globaltimer_ns() - start > p.timeout_ns) {
+            sh.abort = 1;
+            report_timeout(p, src, kind, epoch);
+            break;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (sh.abort) return false;
+  if (p.debug_delay_ns != 0 && p.debug_delay_rank == p.rank) {
+    if (t == 0) {
+      const uint64_t start = globaltimer_ns();
+      while (globaltimer_ns() - start < p.debug_delay_ns) {
+      }
+    }
+    __syncthreads();
+  }
+  return true;
+}
+
+// residual_out = sum + residual_in; output = RMSNorm(residual_out) * weight, one row at a time.
+// `sum_of(v, acc)` yields the all-reduced fp32 values of vector v. The variance is taken on the
+// fp32 value before rounding, as SGLang's RMSNorm does.
+template <typename T, typename SumOf>
+__device__ void add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
+  const int row_vecs = p.hidden / kVecElems;
+  const uint4* residual_in = static_cast<const uint4*>(p.residual_in);
+  uint4* residual_out = static_cast<uint4*>(p.residual_out);
+  const uint4* weight = static_cast<const uint4*>(p.weight);
+  uint4* output = static_cast<uint4*>(p.output);
+  const int t = threadIdx.x;
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    float val[kMaxVecPerThread][8];
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMaxVecPerThread; ++k) {
+      const int c = t + k * SK_THREADS;
+      if (c < row_vecs) {
+        const int64_t v = static_cast<int64_t>(row) * row_vecs + c;
+        sum_of(v, val[k]);
+        Vec8<T>::add_to(val[k], residual_in[v]);
+        residual_out[v] = Vec8<T>::pack(val[k]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum_sq += val[k][i] * val[k][i];
+      }
+    }
+    sum_sq = block_sum(sum_sq, sh);
+    const float scale = rsqrtf(sum_sq / static_cast<float>(p.hidden) + p.eps);
+#pragma unroll
+    for (int k = 0; k < kMaxVecPerThread; ++k) {
+      const int c = t + k * SK_THREADS;
+      if (c < row_vecs) {
+        float w[8];
+        zero(w);
+        Vec8<T>::add_to(w, weight[c]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) val[k][i] = val[k][i] * scale * w[i];
+        output[static_cast<int64_t>(row) * row_vecs + c] = Vec8<T>::pack(val[k]);
+      }
+    }
+  }
+}
+
+// One-shot: push the whole input to every peer, then each rank reduces locally.
+template <typename T>
+__device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch, int parity) {
+  const int world = p.world_size, rank = p.rank, t = threadIdx.x;
+  const int block = blockIdx.x, nblocks = gridDim.x;
+  const int64_t nvec = p.numel / kVecElems;
+  const int64_t per_block = (nvec + nblocks - 1) / nblocks;
+  const int64_t v0 = min(nvec, block * per_block);
+  const int64_t v1 = min(nvec, v0 + per_block);
+  const int64_t slot_vecs = p.slot_bytes / 16;
+  const uint4* input = static_cast<const uint4*>(p.input);
+
+  // Stage s: every rank writes to rank + s, so each rank has one inbound and one outbound peer.
+  for (int s = 1; s < world; ++s) {
+    const int dst = (rank + s) % world;
+    uint4* slot = static_cast<uint4*>(p.push[dst]) + (static_cast<int64_t>(parity) * world + rank) * slot_vecs;
+    for (int64_t v = v0 + t; v < v1; v += SK_THREADS) slot[v] = input[v];
+  }
+  signal(p, kKindPush, parity, epoch, block, false);
+
+  const uint4* slots = static_cast<const uint4*>(p.push[rank]) + static_cast<int64_t>(parity) * world * slot_vecs;
+  if (!p.fused) {
+    if (!wait_for(p, sh, kKindPush, parity, epoch, block, 1, false)) return;
+    uint4* output = static_cast<uint4*>(p.output);
+    for (int64_t v = v0 + t; v < v1; v += SK_THREADS) {
+      float acc[8];
+      sum_ranks<T>(acc, slots, slot_vecs, v, input, v, world, rank);
+      output[v] = Vec8<T>::pack(acc);
+    }
+  } else {
+    // Rows do not follow the push partition: wait for every block of every peer.
+    if (!wait_for(p, sh, kKindPush, parity, epoch, 0, nblocks, false)) return;
+    add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
+      sum_ranks<T>(acc, slots, slot_vecs, v, input, v, world, rank);
+    });
+  }
+}
+
+// Two-shot: reduce-scatter (rank j reduces chunk j), then all-gather of the reduced chunks.
+template <typename T>
+__device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch, int parity) {
+  const int world = p.world_size, rank = p.rank, t = threadIdx.x;
+  const int block = blockIdx.x, nblocks = gridDim.x;
+  const int64_t nvec = p.numel / kVecElems;
+  const int64_t chunk = (nvec + world - 1) / world;       // vectors owned by each rank
+  const int64_t piece = (chunk + nblocks - 1) / nblocks;  // this block's share of a chunk
+  const int64_t slot_vecs = p.slot_bytes / 16;
+  const uint4* input = static_cast<const uint4*>(p.input);
+  auto piece_of = [&](int owner, int64_t& lo, int64_t& hi) {
+    const int64_t start = owner * chunk;
+    lo = min(nvec, start + min(chunk, block * piece));
+    hi = min(nvec, start + min(chunk, (block + 1) * piece));
+  };
+
+  // Reduce-scatter: this block's piece of chunk j goes to slot [rank] of rank j.
+  for (int s = 1; s < world; ++s) {
+    const int owner = (rank + s) % world;
+    int64_t lo, hi;
+    piece_of(owner, lo, hi);
+    const int64_t start = owner * chunk;
+    uint4* slot = static_cast<uint4*>(p.push[owner]) + (static_cast<int64_t>(parity) * world + rank) * slot_vecs;
+    for (int64_t v = lo + t; v < hi; v += SK_THREADS) slot[v - start] = input[v];
+  }
+  signal(p, kKindPush, parity, epoch, block, false);
+  if (!wait_for(p, sh, kKindPush, parity, epoch, block, 1, false)) return;
+
+  // Reduce this rank's piece and push it to every rank's gather buffer.
+  int64_t lo, hi;
+  piece_of(rank, lo, hi);
+  const int64_t start = rank * chunk;
+  const uint4* slots = static_cast<const uint4*>(p.push[rank]) + static_cast<int64_t>(parity) * world * slot_vecs;
+  uint4* gather_local = static_cast<uint4*>(p.gather[rank]);
+  uint4* reduced = p.fused ? gather_local : static_cast<uint4*>(p.output);
+  for (int64_t v = lo + t; v < hi; v += SK_THREADS) {
+    float acc[8];
+    sum_ranks<T>(acc, slots, slot_vecs, v - start, input, v, world, rank);
+    reduced[v] = Vec8<T>::pack(acc);
+  }
+  for (int s = 1; s < world; ++s) {
+    uint4* gather = static_cast<uint4*>(p.gather[(rank + s) % world]);
+    for (int64_t v = lo + t; v < hi; v += SK_THREADS) gather[v] = reduced[v];  // own stores
+  }
+  signal(p, kKindGather, parity, epoch, block, p.fused != 0);
+
+  if (!p.fused) {
+    if (!wait_for(p, sh, kKindGather, parity, epoch, block, 1, false)) return;
+    uint4* output = static_cast<uint4*>(p.output);
+    for (int s = 1; s < world; ++s) {
+      int64_t olo, ohi;
+      piece_of((rank + s) % world, olo, ohi);
+      for (int64_t v = olo + t; v < ohi; v += SK_THREADS) output[v] = __ldcg(gather_local + v);
+    }
+  } else {
+    // Rows span chunks: wait for every block of every rank, this one included.
+    if (!wait_for(p, sh, kKindGather, parity, epoch, 0, nblocks, true)) return;
+    add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
+      zero(acc);
+      Vec8<T>::add_to(acc, __ldcg(gather_local + v));
+    });
+  }
+}
+
+template <typename T, int kVariant>
+__global__ void __launch_bounds__(SK_THREADS) all_reduce_kernel(const SkLaunchParams p) {
+  __shared__ Shared sh;
+  uint32_t* ctl = p.control;
+  if (threadIdx.x == 0) {
+    sh.abort = ld_volatile(ctl + SK_CTRL_ERR_CODE) != 0u;  // a failed workspace stays failed
+    sh.epoch = ld_volatile(ctl + SK_CTRL_EPOCH) + 1u;
+  }
+  __syncthreads();
+  const uint32_t epoch = sh.epoch;
+  if (!sh.abort) {
+    const int parity = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) ? 0 : static_cast<int>(epoch & 1u);
+    if (kVariant == SK_VARIANT_ONESHOT) {
+      run_oneshot<T>(p, sh, epoch, parity);
+    } else {
+      run_twoshot<T>(p, sh, epoch, parity);
+    }
+  }
+  // The last block to finish advances the epoch; the next launch on this stream reads it.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(ctl + SK_CTRL_DONE, 1u) == gridDim.x - 1) {
+      atomicExch(ctl + SK_CTRL_DONE, 0u);
+      atomicExch(ctl + SK_CTRL_EPOCH, epoch);
+    }
+  }
+}
+
+using KernelFn = void (*)(const SkLaunchParams);
+
+KernelFn kernel_for(int dtype, int variant) {
+  if (dtype == SK_DTYPE_BF16) {
+    return variant == SK_VARIANT_ONESHOT ? all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT>
+                                         : all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT>;
+  }
+  if (dtype == SK_DTYPE_FP16) {
+    return variant == SK_VARIANT_ONESHOT ? all_reduce_kernel<__half, SK_VARIANT_ONESHOT>
+                                         : all_reduce_kernel<__half, SK_VARIANT_TWOSHOT>;
+  }
+  return nullptr;
+}
+
+const KernelFn kAllKernels[] = {
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT>,
+    all_reduce_kernel<__half, SK_VARIANT_ONESHOT>,
+    all_reduce_kernel<__half, SK_VARIANT_TWOSHOT>,
+};
+
+// Runs `body` with `device` current and restores the caller's device (torch's runtime shares
+// the thread's current context with ours).
+template <typename Body>
+int on_device(int device, Body body) {
+  int previous = -1;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err != cudaSuccess) return err;
+  if (previous != device) {
+    err = cudaSetDevice(device);
+    if (err != cudaSuccess) return err;
+  }
+  const int result = body();
+  if (previous != device) cudaSetDevice(previous);
+  return result;
+}
+
+}  // namespace
+
+SK_EXPORT int sk_abi_version(void) { return SK_ABI_VERSION; }
+
+SK_EXPORT const char* sk_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+SK_EXPORT int sk_device_count(int* count) { return cudaGetDeviceCount(count); }
+
+SK_EXPORT int sk_device_pci_bus_id(int device, char* buf, int len) {
+  return cudaDeviceGetPCIBusId(buf, len, device);
+}
+
+SK_EXPORT int sk_device_by_pci_bus_id(const char* bus_id, int* device) {
+  return cudaDeviceGetByPCIBusId(device, bus_id);
+}
+
+SK_EXPORT int sk_can_access_peer(int device, int peer_device, int* can_access) {
+  if (device == peer_device) {
+    *can_access = 1;
+    return cudaSuccess;
+  }
+  return cudaDeviceCanAccessPeer(can_access, device, peer_device);
+}
+
+SK_EXPORT int sk_max_resident_blocks(int device, int* blocks) {
+  return on_device(device, [&]() -> int {
+    int sms = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    int fewest = 1 << 30;
+    for (KernelFn fn : kAllKernels) {
+      int per_sm = 0;
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, SK_THREADS, 0);
+      if (err != cudaSuccess) return err;
+      fewest = per_sm < fewest ? per_sm : fewest;
+    }
+    *blocks = fewest * sms;
+    return cudaSuccess;
+  });
+}
+
+SK_EXPORT int sk_alloc_zeroed(int device, size_t bytes, void** ptr) {
+  return on_device(device, [&]() -> int {
+    cudaError_t err = cudaMalloc(ptr, bytes);
+    if (err != cudaSuccess) return err;
+    err = cudaMemset(*ptr, 0, bytes);
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+      cudaFree(*ptr);
+      *ptr = nullptr;
+    }
+    return err;
+  });
+}
+
+SK_EXPORT int sk_free(int device, void* ptr) {
+  return on_device(device, [&]() -> int { return cudaFree(ptr); });
+}
+
+SK_EXPORT int sk_host_alloc_mapped(int device, size_t bytes, void** host_ptr, void** device_ptr) {
+  return on_device(device, [&]() -> int {
+    cudaError_t err = cudaHostAlloc(host_ptr, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (err != cudaSuccess) return err;
+    memset(*host_ptr, 0, bytes);
+    err = cudaHostGetDevicePointer(device_ptr, *host_ptr, 0);
+    if (err != cudaSuccess) {
+      cudaFreeHost(*host_ptr);
+      *host_ptr = nullptr;
+    }
+    return err;
+  });
+}
+
+SK_EXPORT int sk_host_free(void* host_ptr) { return cudaFreeHost(host_ptr); }
+
+SK_EXPORT int sk_ipc_get_handle(int device, void* ptr, void* handle_out) {
+  return on_device(device, [&]() -> int {
+    cudaIpcMemHandle_t handle;
+    const cudaError_t err = cudaIpcGetMemHandle(&handle, ptr);
+    if (err == cudaSuccess) memcpy(handle_out, &handle, sizeof(handle));
+    return err;
+  });
+}
+
+SK_EXPORT int sk_ipc_open_handle(int device, const void* handle, void** ptr_out) {
+  return on_device(device, [&]() -> int {
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof(h));
+    return cudaIpcOpenMemHandle(ptr_out, h, cudaIpcMemLazyEnablePeerAccess);
+  });
+}
+
+SK_EXPORT int sk_ipc_close_handle(int device, void* ptr) {
+  return on_device(device, [&]() -> int { return cudaIpcCloseMemHandle(ptr); });
+}
+
+SK_EXPORT int sk_preload(int device) {
+  return on_device(device, [&]() -> int {
+    for (KernelFn fn : kAllKernels) {
+      cudaFuncAttributes attr;
+      const cudaError_t err = cudaFuncGetAttributes(&attr, fn);
+      if (err != cudaSuccess) return err;
+    }
+    return cudaSuccess;
+  });
+}
+
+SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) {
+  const SkLaunchParams& p = *params;
+  const KernelFn fn = kernel_for(p.dtype, p.variant);
+  if (fn == nullptr || p.world_size < 1 || p.world_size > SK_MAX_RANKS || p.rank < 0 ||
+      p.rank >= p.world_size || p.blocks < 1 || p.blocks > SK_MAX_BLOCKS ||
+      p.numel % kVecElems != 0 || (p.fused && (p.hidden % kVecElems != 0 || p.hidden > kMaxHidden ||
+                                               static_cast<int64_t>(p.rows) * p.hidden != p.numel))) {
+    return cudaErrorInvalidValue;  // the Python layer validates first and explains why
+  }
+  return on_device(device, [&]() -> int {
+    fn<<<p.blocks, SK_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(p);
+    return cudaGetLastError();
+  });
+}

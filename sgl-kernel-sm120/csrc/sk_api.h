@@ -1,0 +1,97 @@
+// C API of libsgl_kernel_sm120: plain CUDA, no torch, loaded from Python with ctypes.
+//
+// Every function returns a cudaError_t value as int (0 = success); sk_error_string turns it into
+// text. The launch parameters are one POD struct whose layout is mirrored field by field in
+// python/sgl_kernel_sm120/_lib.py (_LaunchParams): change both together and bump SK_ABI_VERSION.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SK_ABI_VERSION 1
+#define SK_MAX_RANKS 8
+#define SK_MAX_BLOCKS 64
+#define SK_THREADS 512
+
+// Flags: uint32 [kind][parity][src rank][block], kind 0 = push (one-shot data / reduce-scatter),
+// kind 1 = gather (all-gather of the reduced chunks).
+#define SK_FLAG_KINDS 2
+#define SK_FLAG_WORDS (SK_FLAG_KINDS * 2 * SK_MAX_RANKS * SK_MAX_BLOCKS)
+// Control words (rank-local): epoch, finished-block counter, error record.
+#define SK_CTRL_EPOCH 0
+#define SK_CTRL_DONE 1
+#define SK_CTRL_ERR_CODE 2  // 0 = fine, 1 = timed out waiting for a peer
+#define SK_CTRL_ERR_SRC 3   // the rank that did not arrive
+#define SK_CTRL_ERR_KIND 4  // flag kind it was waited on (0 push, 1 gather)
+#define SK_CTRL_ERR_EPOCH 5 // the call (epoch) that timed out
+#define SK_CTRL_WORDS 8
+
+#define SK_DTYPE_BF16 0
+#define SK_DTYPE_FP16 1
+#define SK_VARIANT_ONESHOT 0
+#define SK_VARIANT_TWOSHOT 1
+
+// Debug switches, used only by tests.
+#define SK_DEBUG_SINGLE_BUFFER 1  // UNSAFE: drop the parity double buffer (negative control)
+
+typedef struct {
+  // Tensors of this rank (device pointers).
+  const void* input;         // all-reduce input
+  void* output;              // plain: reduced result; fused: normed output
+  const void* residual_in;   // fused only
+  void* residual_out;        // fused only
+  const void* weight;        // fused only, [hidden]
+  // Workspace of every rank, indexed by rank (entries >= world_size unused).
+  void* push[SK_MAX_RANKS];        // push region base: [2 parities][world][slot_bytes]
+  void* gather[SK_MAX_RANKS];      // gather region base: [max_bytes]
+  uint32_t* flags[SK_MAX_RANKS];   // flag words, SK_FLAG_WORDS each
+  uint32_t* control;         // this rank's SK_CTRL_WORDS control words (device memory)
+  uint32_t* error_host;      // device alias of host-mapped SK_CTRL_WORDS mirror (error record)
+  int64_t numel;             // elements in input (multiple of 8)
+  int64_t slot_bytes;        // capacity of one push slot
+  uint64_t timeout_ns;       // bound on every wait for a peer
+  uint64_t debug_delay_ns;   // delay injected after each wait on debug_delay_rank
+  int32_t rows;              // fused: tokens
+  int32_t hidden;            // fused: row length (multiple of 8, <= 16384)
+  float eps;                 // fused: RMSNorm epsilon
+  int32_t rank;
+  int32_t world_size;
+  int32_t variant;           // SK_VARIANT_*
+  int32_t fused;             // 0 plain all-reduce, 1 all-reduce + residual add + RMSNorm
+  int32_t blocks;            // grid size, <= SK_MAX_BLOCKS, identical on every rank
+  int32_t dtype;             // SK_DTYPE_*
+  int32_t debug_flags;       // SK_DEBUG_*
+  int32_t debug_delay_rank;  // -1: none
+  int32_t pad_;
+} SkLaunchParams;
+
+int sk_abi_version(void);
+const char* sk_error_string(int code);
+
+int sk_device_count(int* count);
+int sk_device_pci_bus_id(int device, char* buf, int len);
+int sk_device_by_pci_bus_id(const char* bus_id, int* device);
+int sk_can_access_peer(int device, int peer_device, int* can_access);
+// Blocks of the launch kernel that fit on the device at once (occupancy x SMs).
+int sk_max_resident_blocks(int device, int* blocks);
+
+int sk_alloc_zeroed(int device, size_t bytes, void** ptr);
+int sk_free(int device, void* ptr);
+int sk_host_alloc_mapped(int device, size_t bytes, void** host_ptr, void** device_ptr);
+int sk_host_free(void* host_ptr);
+int sk_ipc_get_handle(int device, void* ptr, void* handle_out);  // 64 bytes
+int sk_ipc_open_handle(int device, const void* handle, void** ptr_out);
+int sk_ipc_close_handle(int device, void* ptr);
+
+// Loads every kernel now (lazy module loading would otherwise do it at the first launch,
+// which must not happen during CUDA graph capture).
+int sk_preload(int device);
+int sk_launch(const SkLaunchParams* params, int device, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
