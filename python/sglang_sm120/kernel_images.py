@@ -46,6 +46,7 @@ _FLAG_COMPRESSED_LZ4 = 0x2000
 _FLAG_COMPRESSED_ZSTD = 0x8000
 _FLAG_ARCH_SPECIFIC = 0x100000  # "a" targets
 _FLAG_FAMILY_SPECIFIC = 0x200000  # "f" targets
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _EM_CUDA = 190
 _SHT_NOBITS = 8
 _EXECUTABLE_FATBIN = ".nv_fatbin"
@@ -65,6 +66,7 @@ class FatbinEntry:
     container: int
     target: str
     compressed: bool
+    has_kernels: bool | None = None  # None: compressed in a format this Python cannot unpack
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,47 @@ def _unpack(fmt: str, data: mmap.mmap | bytes, offset: int, limit: int) -> tuple
     return struct.unpack_from(fmt, data, offset)
 
 
+def _zstd_decompress(payload: bytes, size: int) -> bytes | None:
+    """zstd is how CUDA 12.8+ compresses fatbin entries; sglang requires `zstandard`."""
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    try:
+        return zstandard.ZstdDecompressor().decompress(payload, max_output_size=size)
+    except zstandard.ZstdError:
+        return None
+
+
+def _payload_has_kernels(kind: int, payload: bytes) -> bool | None:
+    """Whether an image defines any kernel: PTX with an .entry, a cubin with a .text section.
+
+    nvcc links libcudart_static's device stub into every library it links: a container
+    whose cubins define nothing, built for the link step's archs. No kernel in it can be
+    launched, so no image is needed for it; counting it would raise false alarms.
+    """
+    if kind == _KIND_PTX:
+        return b".entry" in payload
+    try:
+        return any(name.startswith(".text.") for name in _elf_sections(payload))
+    except (_FormatError, struct.error, IndexError):
+        return None
+
+
+def _entry_has_kernels(data: mmap.mmap | bytes, entry: int, kind: int, flags: int) -> bool | None:
+    entry_header_size, padded_size = _unpack("<IQ", data, entry + 4, len(data))
+    compressed_size, _ = _unpack("<II", data, entry + 16, len(data))
+    (uncompressed_size,) = _unpack("<Q", data, entry + 56, len(data))
+    start = entry + entry_header_size
+    if not flags & (_FLAG_COMPRESSED_LZ4 | _FLAG_COMPRESSED_ZSTD):
+        return _payload_has_kernels(kind, data[start : start + padded_size])
+    payload = data[start : start + (compressed_size or padded_size)]
+    if not flags & _FLAG_COMPRESSED_ZSTD or not payload.startswith(_ZSTD_MAGIC):
+        return None  # LZ4, from toolkits before 12.8: not unpacked here
+    unpacked = _zstd_decompress(payload, uncompressed_size or 16 * len(payload))
+    return None if unpacked is None else _payload_has_kernels(kind, unpacked)
+
+
 def _walk_fatbin(data: mmap.mmap | bytes, start: int, end: int) -> list[FatbinEntry]:
     """Read every container between `start` and `end`; containers may be padded apart."""
     entries: list[FatbinEntry] = []
@@ -232,14 +275,20 @@ def _walk_fatbin(data: mmap.mmap | bytes, start: int, end: int) -> list[FatbinEn
             if entry_header_size < 64 or entry + entry_header_size + padded_size > container_end:
                 raise _FormatError(f"fatbin entry at {entry:#x} runs past its container")
             if kind in (_KIND_PTX, _KIND_ELF):
-                compressed = bool(flags & (_FLAG_COMPRESSED_LZ4 | _FLAG_COMPRESSED_ZSTD))
-                entries.append(FatbinEntry(container, _target_name(kind, sm, flags), compressed))
+                entries.append(
+                    FatbinEntry(
+                        container,
+                        _target_name(kind, sm, flags),
+                        bool(flags & (_FLAG_COMPRESSED_LZ4 | _FLAG_COMPRESSED_ZSTD)),
+                        _entry_has_kernels(data, entry, kind, flags),
+                    )
+                )
             entry += entry_header_size + padded_size
         container += 1
         position = container_end
 
 
-def _elf_sections(data: mmap.mmap) -> dict[str, tuple[int, int, int]]:
+def _elf_sections(data: mmap.mmap | bytes) -> dict[str, tuple[int, int, int]]:
     """Section name -> (offset, size, type) of a 64-bit little-endian ELF file."""
     size = len(data)
     if data[4] != 2 or data[5] != 1:
@@ -303,7 +352,7 @@ def _read_entries(path: str | os.PathLike[str]) -> tuple[list[FatbinEntry], tupl
             (machine,) = _unpack("<H", data, 18, len(data))
             if machine == _EM_CUDA:
                 target, notes = _cubin_target(data)
-                return [FatbinEntry(0, target, False)], notes
+                return [FatbinEntry(0, target, False, _payload_has_kernels(_KIND_ELF, data))], notes
             return _fatbin_entries_of_host_elf(data), ()
 
 
@@ -315,9 +364,18 @@ def read_fatbin_entries(path: str | os.PathLike[str]) -> list[FatbinEntry]:
 def _image_from_entries(
     path: Path, entries: list[FatbinEntry], error: str | None, notes: tuple[str, ...]
 ) -> KernelImage:
-    units: dict[int, set[str]] = {}
+    containers: dict[int, list[FatbinEntry]] = {}
     for entry in entries:
-        units.setdefault(entry.container, set()).add(entry.target)
+        containers.setdefault(entry.container, []).append(entry)
+    units = []
+    for key in sorted(containers):
+        verdicts = {entry.has_kernels for entry in containers[key]}
+        if False in verdicts and True not in verdicts:
+            continue  # defines no kernel, so needs no image (see _payload_has_kernels)
+        units.append(frozenset(entry.target for entry in containers[key]))
+    if len(units) < len(containers):
+        skipped = len(containers) - len(units)
+        notes += (f"{skipped} fatbin container(s) define no kernels and need no image",)
     targets = {entry.target for entry in entries}
     return KernelImage(
         path=path,
@@ -325,7 +383,7 @@ def _image_from_entries(
         ptx_archs=tuple(
             sorted((t for t in targets if t.startswith("compute_")), key=_target_sort_key)
         ),
-        units=tuple(frozenset(units[key]) for key in sorted(units)),
+        units=tuple(units),
         error=error,
         notes=notes,
     )
@@ -353,7 +411,7 @@ def _scan_directory(path: Path) -> KernelImage:
         targets.update(image.sass_archs, image.ptx_archs)
         if image.error is not None:
             notes.append(f"{file.name}: {image.error}")
-    entries = [FatbinEntry(0, target, False) for target in targets]
+    entries = [FatbinEntry(0, target, False, None) for target in targets]
     error = None if files else "no .so/.cubin/.fatbin files in this directory"
     return _image_from_entries(path, entries, error, tuple(notes))
 

@@ -18,6 +18,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "sk_api.h"
 
 #define SK_EXPORT extern "C" __attribute__((visibility("default")))
@@ -428,6 +430,8 @@ int on_device(int device, Body body) {
 }  // namespace
 
 SK_EXPORT int sk_abi_version(void) { return SK_ABI_VERSION; }
+
+SK_EXPORT int sk_params_size(void) { return static_cast<int>(sizeof(SkLaunchParams)); }
 
 SK_EXPORT const char* sk_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));

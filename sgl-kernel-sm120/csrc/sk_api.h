@@ -70,6 +70,8 @@ typedef struct {
 } SkLaunchParams;
 
 int sk_abi_version(void);
+// sizeof(SkLaunchParams), checked by the Python mirror.
+int sk_params_size(void);
 const char* sk_error_string(int code);
 
 int sk_device_count(int* count);

@@ -1,0 +1,183 @@
+"""Sizing and tuning rules: pure functions, no GPU needed.
+
+Everything a rank derives here must come out identical on every rank (the kernels of one call
+must agree on variant and grid), so it depends only on the message size and on workspace
+settings that `CommWorkspace.create` checks to be equal across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from . import _lib
+
+ENV_ONESHOT_MAX_BYTES = "SGL_KERNEL_SM120_ONESHOT_MAX_BYTES"
+ENV_BLOCK_BYTES = "SGL_KERNEL_SM120_BLOCK_BYTES"
+ENV_MAX_BLOCKS = "SGL_KERNEL_SM120_MAX_BLOCKS"
+ENV_TIMEOUT_MS = "SGL_KERNEL_SM120_TIMEOUT_MS"
+
+MIN_WORLD_SIZE = 2
+MAX_WORLD_SIZE = _lib.MAX_RANKS
+MAX_HIDDEN = 16384
+MAX_TOKENS = 2048
+ELEMENT_BYTES = 2  # bf16 / fp16
+VECTOR_BYTES = 16  # the kernels move 16-byte vectors: sizes must be multiples of 8 elements
+DEFAULT_TIMEOUT_MS = 5000
+DEFAULT_BLOCK_BYTES = 4096
+DEFAULT_MAX_BLOCKS = 32
+
+FLAGS_OFFSET = 0
+CONTROL_OFFSET = _lib.FLAG_WORDS * 4  # 8 KiB of flags
+PUSH_OFFSET = 16384  # control words, then the push region on its own 16 KiB boundary
+REGION_ALIGN = 256
+
+
+def default_oneshot_max_bytes(world_size: int) -> int:
+    """Largest message sent one-shot by default (untuned seed; override per host).
+
+    One-shot sends (N-1) x S per rank in one round; two-shot sends 2 (N-1)/N x S in two
+    rounds. At N = 2 the traffic is equal, so one-shot always wins; at larger N the extra
+    round (a PCIe flag round trip, ~2 us) pays off once one-shot's extra bytes take longer.
+    """
+    if world_size <= 2:
+        return 4 << 20
+    return (256 << 10) // world_size // VECTOR_BYTES * VECTOR_BYTES
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"${name}={raw!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Settings every rank must share (checked at workspace creation)."""
+
+    oneshot_max_bytes: int
+    block_bytes: int
+    max_blocks: int
+    timeout_ms: int
+
+
+def resolve_tuning(
+    world_size: int,
+    *,
+    oneshot_max_bytes: int | None = None,
+    block_bytes: int | None = None,
+    max_blocks: int | None = None,
+    timeout_ms: int | None = None,
+    resident_blocks: int | None = None,
+    ranks_per_gpu: int = 1,
+) -> Tuning:
+    """Explicit argument > environment variable > default, for each setting.
+
+    The default block cap keeps every rank's grid resident at once when `ranks_per_gpu` ranks
+    share one GPU (`resident_blocks` is what one GPU holds): the kernels spin on their peers,
+    so a rank whose blocks cannot be scheduled would stall everyone until the timeout.
+    """
+    check_world_size(world_size)
+    oneshot = oneshot_max_bytes or _env_int(ENV_ONESHOT_MAX_BYTES)
+    oneshot = oneshot or default_oneshot_max_bytes(world_size)
+    block = block_bytes or _env_int(ENV_BLOCK_BYTES) or DEFAULT_BLOCK_BYTES
+    blocks = max_blocks or _env_int(ENV_MAX_BLOCKS)
+    if blocks is None:
+        blocks = DEFAULT_MAX_BLOCKS
+        if resident_blocks is not None:
+            blocks = min(blocks, resident_blocks // max(1, ranks_per_gpu))
+    if not 1 <= blocks <= _lib.MAX_BLOCKS:
+        raise ValueError(
+            f"max_blocks={blocks} must be in [1, {_lib.MAX_BLOCKS}]"
+            + (
+                f" (the GPU holds {resident_blocks} blocks for {ranks_per_gpu} ranks)"
+                if resident_blocks is not None
+                else ""
+            )
+        )
+    if resident_blocks is not None and blocks * ranks_per_gpu > resident_blocks:
+        raise ValueError(
+            f"max_blocks={blocks} x {ranks_per_gpu} ranks on one GPU exceeds the "
+            f"{resident_blocks} blocks it can hold at once: the spinning kernels would deadlock"
+        )
+    timeout = timeout_ms or _env_int(ENV_TIMEOUT_MS) or DEFAULT_TIMEOUT_MS
+    return Tuning(
+        oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
+        block_bytes=_round_up(block, VECTOR_BYTES),
+        max_blocks=blocks,
+        timeout_ms=timeout,
+    )
+
+
+def check_world_size(world_size: int) -> None:
+    if not MIN_WORLD_SIZE <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(
+            f"world_size={world_size} is not supported: the kernels handle "
+            f"{MIN_WORLD_SIZE} to {MAX_WORLD_SIZE} ranks"
+        )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Byte layout of one rank's buffer (identical on every rank).
+
+    [flags 8 KiB][control][pad to 16 KiB][push: 2 parities x world x slot][gather: max_bytes]
+    """
+
+    world_size: int
+    max_bytes: int
+    slot_bytes: int
+    push_offset: int
+    gather_offset: int
+    total_bytes: int
+
+
+def workspace_layout(world_size: int, max_bytes: int, oneshot_max_bytes: int) -> WorkspaceLayout:
+    """Buffer sizes for messages up to `max_bytes`.
+
+    A push slot holds either a whole one-shot message (up to oneshot_max_bytes) or one rank's
+    reduce-scatter chunk (ceil(S / N)): slot = max(min(O, S), ceil(S / N)). Total per GPU:
+    16 KiB + 2 N slot + S.
+    """
+    check_world_size(world_size)
+    if max_bytes <= 0 or max_bytes % VECTOR_BYTES:
+        raise ValueError(f"max_bytes={max_bytes} must be a positive multiple of {VECTOR_BYTES}")
+    chunk_bytes = math.ceil(max_bytes / VECTOR_BYTES / world_size) * VECTOR_BYTES
+    slot = _round_up(max(min(oneshot_max_bytes, max_bytes), chunk_bytes), REGION_ALIGN)
+    gather_offset = PUSH_OFFSET + 2 * world_size * slot
+    total = gather_offset + _round_up(max_bytes, REGION_ALIGN)
+    return WorkspaceLayout(world_size, max_bytes, slot, PUSH_OFFSET, gather_offset, total)
+
+
+def workspace_bytes(
+    world_size: int,
+    max_tokens: int,
+    hidden: int,
+    element_bytes: int = ELEMENT_BYTES,
+    oneshot_max_bytes: int | None = None,
+) -> int:
+    """Bytes each GPU allocates for a workspace sized max_tokens x hidden."""
+    oneshot = oneshot_max_bytes or default_oneshot_max_bytes(world_size)
+    return workspace_layout(world_size, max_tokens * hidden * element_bytes, oneshot).total_bytes
+
+
+def choose_variant(nbytes: int, tuning: Tuning) -> int:
+    """One-shot up to oneshot_max_bytes, two-shot above."""
+    return _lib.VARIANT_ONESHOT if nbytes <= tuning.oneshot_max_bytes else _lib.VARIANT_TWOSHOT
+
+
+def choose_blocks(nbytes: int, tuning: Tuning) -> int:
+    """Grid size: one block per block_bytes of message, capped at max_blocks."""
+    return max(1, min(tuning.max_blocks, math.ceil(nbytes / tuning.block_bytes)))

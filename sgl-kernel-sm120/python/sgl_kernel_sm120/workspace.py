@@ -1,0 +1,471 @@
+"""Communication workspace: buffers allocated once, shared between ranks, closed explicitly.
+
+Two ways to build one:
+- `CommWorkspace.create(group, ...)`: one rank per process (the real deployment). Buffers are
+  shared through CUDA IPC handles exchanged over `group` (gloo or nccl); P2P is checked for
+  every pair of GPUs first. Collective: every rank calls it with the same arguments.
+- `CommWorkspace.create_local(world_size, ...)`: all ranks in this process on one GPU, one
+  stream each, pointers shared directly. For tests and benchmarks: synchronisation between
+  streams costs ~1 us, against ~2.4 ms between processes time-slicing one GPU.
+
+Every rank must issue the same sequence of calls (same sizes, same order) on one stream, as
+with any collective. A missing peer makes the call fail after `timeout_ms` (see
+`check_error`), instead of hanging the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from typing import Any
+
+import torch
+
+from . import _lib
+from .config import (
+    CONTROL_OFFSET,
+    ELEMENT_BYTES,
+    Tuning,
+    WorkspaceLayout,
+    check_world_size,
+    choose_blocks,
+    choose_variant,
+    resolve_tuning,
+    workspace_layout,
+)
+from .errors import CommTimeoutError, WorkspaceError
+
+_DTYPE_CODES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
+_VARIANT_NAMES = {_lib.VARIANT_ONESHOT: "oneshot", _lib.VARIANT_TWOSHOT: "twoshot"}
+_PHASES = {0: "push / reduce-scatter", 1: "all-gather"}
+
+_registry: dict[int, CommWorkspace] = {}
+_next_id = itertools.count(1)
+
+
+def get_workspace(workspace_id: int) -> CommWorkspace:
+    """The open workspace with this id (the torch ops receive ids, not objects)."""
+    try:
+        return _registry[workspace_id]
+    except KeyError:
+        raise WorkspaceError(f"workspace {workspace_id} is closed or was never created") from None
+
+
+def _device_of(device: torch.device | int | str | None) -> torch.device:
+    if device is None:
+        device = torch.cuda.current_device()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device {device} is not a CUDA device")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _max_bytes(max_tokens: int, hidden: int, dtype: torch.dtype) -> int:
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"dtype {dtype} is not supported: bfloat16 or float16")
+    if max_tokens <= 0 or hidden <= 0 or hidden % 8:
+        raise ValueError(
+            f"max_tokens={max_tokens} and hidden={hidden}: both positive, hidden a multiple of 8"
+        )
+    return max_tokens * hidden * ELEMENT_BYTES
+
+
+def _resident_blocks(device_index: int) -> int:
+    blocks = ctypes.c_int(0)
+    _lib.check(
+        _lib.lib().sk_max_resident_blocks(device_index, ctypes.byref(blocks)), "occupancy query"
+    )
+    return blocks.value
+
+
+def _alloc(device_index: int, nbytes: int) -> int:
+    ptr = ctypes.c_void_p()
+    _lib.check(
+        _lib.lib().sk_alloc_zeroed(device_index, nbytes, ctypes.byref(ptr)),
+        f"cudaMalloc of {nbytes} bytes",
+    )
+    return ptr.value
+
+
+def _alloc_error_mirror(device_index: int) -> tuple[int, int]:
+    host, dev = ctypes.c_void_p(), ctypes.c_void_p()
+    _lib.check(
+        _lib.lib().sk_host_alloc_mapped(
+            device_index, _lib.CTRL_WORDS * 4, ctypes.byref(host), ctypes.byref(dev)
+        ),
+        "host-mapped error word",
+    )
+    return host.value, dev.value
+
+
+def _pci_bus_id(device_index: int) -> str:
+    buf = ctypes.create_string_buffer(64)
+    _lib.check(_lib.lib().sk_device_pci_bus_id(device_index, buf, 64), "cudaDeviceGetPCIBusId")
+    return buf.value.decode()
+
+
+class CommWorkspace:
+    """One rank's handle on the shared buffers. Build with `create` or `create_local`."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        layout: WorkspaceLayout,
+        tuning: Tuning,
+        max_tokens: int,
+        hidden: int,
+        buffers: list[int],
+        opened: list[int],
+        group: Any | None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.layout = layout
+        self.tuning = tuning
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.max_bytes = layout.max_bytes
+        self._buffers = buffers
+        self._opened = opened  # peer buffers this process mapped through IPC
+        self._group = group
+        self._host_error, device_error = _alloc_error_mirror(device.index)
+        self._params = self._base_params(device_error)
+        self.id = next(_next_id)
+        _registry[self.id] = self
+
+    # ----------------------------------------------------------------------------- building
+
+    @classmethod
+    def create_local(
+        cls,
+        world_size: int,
+        max_tokens: int,
+        hidden: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | int | str | None = None,
+        *,
+        oneshot_max_bytes: int | None = None,
+        block_bytes: int | None = None,
+        max_blocks: int | None = None,
+        timeout_ms: int | None = None,
+    ) -> list[CommWorkspace]:
+        """`world_size` ranks in this process on one GPU; returns one workspace per rank.
+
+        Run each rank's calls on its own stream: the kernels spin on their peers, so all
+        ranks' kernels must be resident together (max_blocks x world_size <= what the GPU
+        holds; the default cap ensures it).
+        """
+        check_world_size(world_size)
+        device = _device_of(device)
+        max_bytes = _max_bytes(max_tokens, hidden, dtype)
+        _lib.check(_lib.lib().sk_preload(device.index), "kernel preload")
+        tuning = resolve_tuning(
+            world_size,
+            oneshot_max_bytes=oneshot_max_bytes,
+            block_bytes=block_bytes,
+            max_blocks=max_blocks,
+            timeout_ms=timeout_ms,
+            resident_blocks=_resident_blocks(device.index),
+            ranks_per_gpu=world_size,
+        )
+        layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
+        buffers = [_alloc(device.index, layout.total_bytes) for _ in range(world_size)]
+        return [
+            cls(
+                rank=rank,
+                world_size=world_size,
+                device=device,
+                layout=layout,
+                tuning=tuning,
+                max_tokens=max_tokens,
+                hidden=hidden,
+                buffers=buffers,
+                opened=[],
+                group=None,
+            )
+            for rank in range(world_size)
+        ]
+
+    @classmethod
+    def create(
+        cls,
+        group: Any,
+        max_tokens: int,
+        hidden: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | int | str | None = None,
+        *,
+        oneshot_max_bytes: int | None = None,
+        block_bytes: int | None = None,
+        max_blocks: int | None = None,
+        timeout_ms: int | None = None,
+    ) -> CommWorkspace:
+        """Collective over `group` (a torch.distributed ProcessGroup, gloo or nccl).
+
+        Every rank raises the same WorkspaceError if any rank finds a problem (a rank that
+        raised alone would leave the others blocked in the next collective).
+        """
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group)
+        world_size = dist.get_world_size(group)
+        check_world_size(world_size)
+        device = _device_of(device)
+        dev = device.index
+
+        # Stage 1: local facts and settings; all ranks must agree on the settings.
+        error, info = None, {}
+        try:
+            max_bytes = _max_bytes(max_tokens, hidden, dtype)
+            _lib.check(_lib.lib().sk_preload(dev), "kernel preload")
+            info = {"bus_id": _pci_bus_id(dev), "resident": _resident_blocks(dev)}
+        except Exception as exc:  # reported collectively below
+            error = f"rank {rank}: {exc}"
+        infos = _agree(group, error, info, "gathering device facts")
+        bus_ids = [i["bus_id"] for i in infos]
+        ranks_per_gpu = max(bus_ids.count(b) for b in bus_ids)
+        error, settings = None, None
+        try:
+            tuning = resolve_tuning(
+                world_size,
+                oneshot_max_bytes=oneshot_max_bytes,
+                block_bytes=block_bytes,
+                max_blocks=max_blocks,
+                timeout_ms=timeout_ms,
+                resident_blocks=min(i["resident"] for i in infos),
+                ranks_per_gpu=ranks_per_gpu,
+            )
+            settings = (max_bytes, tuning.oneshot_max_bytes, tuning.block_bytes, tuning.max_blocks)
+        except Exception as exc:
+            error = f"rank {rank}: {exc}"
+        all_settings = _agree(group, error, settings, "checking settings")
+        if len(set(all_settings)) != 1:
+            raise WorkspaceError(
+                "ranks disagree on (max_bytes, oneshot_max_bytes, block_bytes, max_blocks): "
+                f"{all_settings}; use the same arguments and SGL_KERNEL_SM120_* variables"
+            )
+
+        # Stage 2: P2P between every pair of distinct GPUs.
+        error = _p2p_problems(rank, dev, bus_ids)
+        _agree(group, error, None, "checking P2P access")
+
+        # Stage 3: allocate, export, import.
+        layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
+        error, handle, own = None, b"", 0
+        try:
+            own = _alloc(dev, layout.total_bytes)
+            buf = ctypes.create_string_buffer(_lib.IPC_HANDLE_BYTES)
+            _lib.check(_lib.lib().sk_ipc_get_handle(dev, own, buf), "cudaIpcGetMemHandle")
+            handle = buf.raw
+        except Exception as exc:
+            error = f"rank {rank}: {exc}"
+        handles = _agree(group, error, handle, "allocating and exporting buffers")
+        buffers, opened, error = [0] * world_size, [], None
+        buffers[rank] = own
+        for peer in range(world_size):
+            if peer == rank:
+                continue
+            ptr = ctypes.c_void_p()
+            code = _lib.lib().sk_ipc_open_handle(dev, handles[peer], ctypes.byref(ptr))
+            if code != 0:
+                message = _lib.lib().sk_error_string(code).decode()
+                error = f"rank {rank} cannot map rank {peer}'s buffer: CUDA error {code} ({message})"
+                break
+            buffers[peer] = ptr.value
+            opened.append(ptr.value)
+        try:
+            _agree(group, error, None, "opening IPC handles")
+        except WorkspaceError:
+            for ptr in opened:
+                _lib.lib().sk_ipc_close_handle(dev, ptr)
+            if own:
+                _lib.lib().sk_free(dev, own)
+            raise
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            layout=layout,
+            tuning=tuning,
+            max_tokens=max_tokens,
+            hidden=hidden,
+            buffers=buffers,
+            opened=opened,
+            group=group,
+        )
+
+    def close(self) -> None:
+        """Releases the buffers. Collective for `create` workspaces; for `create_local` ones,
+        close every rank's workspace together (peers point into each other's buffers)."""
+        if self.id not in _registry:
+            return
+        del _registry[self.id]
+        torch.cuda.synchronize(self.device)
+        lib, dev = _lib.lib(), self.device.index
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._group)  # no rank still reads or writes a peer
+            for ptr in self._opened:
+                _lib.check(lib.sk_ipc_close_handle(dev, ptr), "cudaIpcCloseMemHandle")
+            dist.barrier(group=self._group)  # no rank still maps our buffer
+        _lib.check(lib.sk_free(dev, self._buffers[self.rank]), "cudaFree")
+        _lib.check(lib.sk_host_free(self._host_error), "cudaFreeHost")
+        self._opened = []
+
+    @property
+    def closed(self) -> bool:
+        return self.id not in _registry
+
+    def __enter__(self) -> CommWorkspace:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CommWorkspace(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device}, max_bytes={self.max_bytes}, "
+            f"bytes_per_gpu={self.layout.total_bytes}, {self.tuning})"
+        )
+
+    # ---------------------------------------------------------------------------- errors
+
+    def error(self) -> str | None:
+        """Description of the recorded failure, or None. Reads host memory the kernel writes:
+        no device synchronisation, safe to call at any time (also between graph replays)."""
+        if self.closed:
+            return None
+        words = (ctypes.c_uint32 * _lib.CTRL_WORDS).from_address(self._host_error)
+        if words[_lib.CTRL_ERR_CODE] == 0:
+            return None
+        return (
+            f"rank {self.rank}/{self.world_size}: timed out after {self.tuning.timeout_ms} ms "
+            f"waiting for rank {words[_lib.CTRL_ERR_SRC]} "
+            f"({_PHASES.get(words[_lib.CTRL_ERR_KIND], '?')} phase) in call "
+            f"{words[_lib.CTRL_ERR_EPOCH]}; outputs of that call and of every later call are "
+            "invalid: close this workspace and create a new one"
+        )
+
+    def check_error(self) -> None:
+        """Raises CommTimeoutError if a kernel of this workspace gave up on a peer."""
+        message = self.error()
+        if message is not None:
+            raise CommTimeoutError(message)
+
+    # ---------------------------------------------------------------------------- launching
+
+    def _base_params(self, device_error: int) -> _lib.LaunchParams:
+        p = _lib.LaunchParams()
+        for peer, base in enumerate(self._buffers):
+            p.push[peer] = base + self.layout.push_offset
+            p.gather[peer] = base + self.layout.gather_offset
+            p.flags[peer] = base
+        p.control = self._buffers[self.rank] + CONTROL_OFFSET
+        p.error_host = device_error
+        p.slot_bytes = self.layout.slot_bytes
+        p.timeout_ns = self.tuning.timeout_ms * 1_000_000
+        p.rank = self.rank
+        p.world_size = self.world_size
+        p.debug_delay_rank = -1
+        return p
+
+    def _set_debug(
+        self, *, single_buffer: bool = False, delay_rank: int = -1, delay_us: int = 0
+    ) -> None:
+        """Test hooks. single_buffer drops the parity double buffer (UNSAFE, proves the
+        buffer-reuse test can fail); delay_us stalls `delay_rank` after each of its waits."""
+        self._params.debug_flags = _lib.DEBUG_SINGLE_BUFFER if single_buffer else 0
+        self._params.debug_delay_rank = delay_rank
+        self._params.debug_delay_ns = delay_us * 1000
+
+    def plan(self, nbytes: int, variant: int = -1) -> tuple[int, int]:
+        """(variant, blocks) this workspace uses for a message of nbytes; variant -1 = auto."""
+        if variant < 0:
+            variant = choose_variant(nbytes, self.tuning)
+        elif variant not in _VARIANT_NAMES:
+            raise ValueError(f"variant {variant} unknown: {_VARIANT_NAMES}")
+        if variant == _lib.VARIANT_ONESHOT and nbytes > self.layout.slot_bytes:
+            raise ValueError(
+                f"one-shot needs the message ({nbytes} bytes) to fit a push slot "
+                f"({self.layout.slot_bytes} bytes): raise oneshot_max_bytes at creation"
+            )
+        return variant, choose_blocks(nbytes, self.tuning)
+
+    def launch(
+        self,
+        *,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        variant: int = -1,
+        residual_in: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> None:
+        """Enqueues one call on the current stream. Inputs must already be validated
+        (ops.py does it); fused when residual_in is given."""
+        if self.closed:
+            raise WorkspaceError(f"workspace {self.id} (rank {self.rank}) is closed")
+        nbytes = inp.numel() * inp.element_size()
+        variant, blocks = self.plan(nbytes, variant)
+        p = _lib.LaunchParams.from_buffer_copy(self._params)
+        p.input = inp.data_ptr()
+        p.output = out.data_ptr()
+        p.numel = inp.numel()
+        p.variant = variant
+        p.blocks = blocks
+        p.dtype = _DTYPE_CODES[inp.dtype]
+        if residual_in is not None:
+            p.fused = 1
+            p.residual_in = residual_in.data_ptr()
+            p.residual_out = residual_out.data_ptr()
+            p.weight = weight.data_ptr()
+            p.rows = inp.shape[0]
+            p.hidden = inp.shape[1]
+            p.eps = eps
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _lib.check(
+            _lib.lib().sk_launch(ctypes.byref(p), self.device.index, ctypes.c_void_p(stream)),
+            f"launch ({_VARIANT_NAMES[variant]}, {blocks} blocks)",
+        )
+
+
+def _agree(group: Any, error: str | None, payload: Any, stage: str) -> list[Any]:
+    """All-gathers (error, payload); every rank raises if any rank reported an error."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (error, payload), group=group)
+    errors = [e for e, _ in gathered if e]
+    if errors:
+        raise WorkspaceError(f"workspace creation failed while {stage}: " + "; ".join(errors))
+    return [p for _, p in gathered]
+
+
+def _p2p_problems(rank: int, dev: int, bus_ids: list[str]) -> str | None:
+    """Why this rank's GPU cannot write to some peer's GPU, or None."""
+    lib = _lib.lib()
+    problems = []
+    for peer, bus in enumerate(bus_ids):
+        if bus == bus_ids[rank]:
+            continue  # same GPU: plain device memory
+        peer_dev = ctypes.c_int(-1)
+        if lib.sk_device_by_pci_bus_id(bus.encode(), ctypes.byref(peer_dev)) != 0:
+            continue  # not visible here (CUDA_VISIBLE_DEVICES): opening the IPC handle decides
+        ok = ctypes.c_int(0)
+        code = lib.sk_can_access_peer(dev, peer_dev.value, ctypes.byref(ok))
+        if code != 0 or not ok.value:
+            problems.append(
+                f"no P2P access from {bus_ids[rank]} (rank {rank}) to {bus} (rank {peer})"
+            )
+    if not problems:
+        return None
+    return "; ".join(problems) + " - use NCCL (P2P needs e.g. a driver with P2P enabled)"
