@@ -1,11 +1,11 @@
 """``sglang-sm120``: show what the plugin sees and decides.
 
-    sglang-sm120 doctor [--tp N] [--model-arch A] [--json]
-        this machine: versions, GPUs, P2P, NVLink, NUMA, each patch's status, the plan
-    sglang-sm120 plan (--profile NAME | --topology FILE) --tp N [--model-arch A] [--json]
-        the plan for a machine you are not on
-    sglang-sm120 profiles
-        the embedded machine profiles
+sglang-sm120 doctor [--tp N] [--model-arch A] [--json]
+    this machine: versions, GPUs, P2P, NVLink, NUMA, each patch's status, the plan
+sglang-sm120 plan (--profile NAME | --topology FILE) --tp N [--model-arch A] [--json]
+    the plan for a machine you are not on
+sglang-sm120 profiles
+    the embedded machine profiles
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def _facts_lines(facts: HostFacts) -> list[str]:
     if facts.probe_error:
         lines.append(f"  probe: {facts.probe_error}")
     if facts.driver_version:
-        lines.append(f"  driver {facts.driver_version}, CUDA driver API {facts.cuda_driver_version}")
+        lines.append(
+            f"  driver {facts.driver_version}, CUDA driver API {facts.cuda_driver_version}"
+        )
     if not facts.gpus:
         lines.append("  no NVIDIA GPU visible")
         return lines
@@ -112,13 +114,17 @@ def _plugin_state() -> dict[str, Any]:
     from sglang_sm120.plugin import _REGISTRY_CONTRACT
     from sglang_sm120.runtime import PATCH_STATUS
 
-    discovered = any(ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins"))
+    discovered = any(
+        ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
+    )
     load_plugins()
     return {
         "entry_point_discovered": discovered,
         "patches": dict(PATCH_STATUS)
         or {"(none)": "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"},
-        "contract_problems": check(tuple(s for m in PATCHES for s in m.CONTRACT) + _REGISTRY_CONTRACT),
+        "contract_problems": check(
+            tuple(s for m in PATCHES for s in m.CONTRACT) + _REGISTRY_CONTRACT
+        ),
     }
 
 
@@ -144,14 +150,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     lines += [f"  {name}: {version or 'not installed'}" for name, version in facts.versions.items()]
     lines += _facts_lines(facts)
     if not facts.gpus:
-        lines.append("no GPU here: nothing to patch; use `sglang-sm120 plan --profile ...` to plan another machine")
-    lines.append(f"entry point sglang.srt.plugins -> sglang_sm120: "
-                 f"{'discovered' if state['entry_point_discovered'] else 'NOT discovered'}")
+        lines.append(
+            "no GPU here: nothing to patch; "
+            "use `sglang-sm120 plan --profile ...` to plan another machine"
+        )
+    lines.append(
+        f"entry point sglang.srt.plugins -> sglang_sm120: "
+        f"{'discovered' if state['entry_point_discovered'] else 'NOT discovered'}"
+    )
     lines.append("patches:")
     lines += [f"  {name:<22} {status}" for name, status in state["patches"].items()]
     problems = state["contract_problems"]
     lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
     lines += [f"  - {p}" for p in problems]
+    if report["kill_switch"] not in ("", "0"):
+        lines.append("kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied")
     lines += _plan_lines(plan, tp_size)
     print("\n".join(lines))
     return 0
@@ -163,8 +176,11 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sglang-sm120", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="sglang-sm120",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="this machine: facts, patch statuses, plan")
     _add_deployment_args(doctor, tp_required=False)

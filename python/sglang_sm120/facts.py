@@ -120,7 +120,9 @@ def facts_from_json(data: dict[str, Any], source: str) -> HostFacts:
             for i, g in enumerate(data["gpus"])
         )
     except (KeyError, TypeError, IndexError, ValueError) as exc:
-        raise ValueError(f"{source}: each entry of 'gpus' needs 'name' and 'capability' [major, minor] ({exc})") from exc
+        raise ValueError(
+            f"{source}: each entry of 'gpus' needs 'name' and 'capability' [major, minor] ({exc})"
+        ) from exc
     p2p_raw = data.get("p2p", "all")
     if p2p_raw == "all":
         p2p = tuple(tuple(True for _ in gpus) for _ in gpus)
@@ -129,7 +131,9 @@ def facts_from_json(data: dict[str, Any], source: str) -> HostFacts:
     else:
         p2p = tuple(tuple(bool(x) for x in row) for row in p2p_raw)
         if len(p2p) != len(gpus) or any(len(row) != len(gpus) for row in p2p):
-            raise ValueError(f"{source}: 'p2p' must be 'all', 'none' or a {len(gpus)}x{len(gpus)} matrix")
+            raise ValueError(
+                f"{source}: 'p2p' must be 'all', 'none' or a {len(gpus)}x{len(gpus)} matrix"
+            )
     return HostFacts(
         source=source,
         gpus=gpus,
@@ -150,7 +154,9 @@ def profile_names() -> list[str]:
 def load_profile(name: str) -> HostFacts:
     """An embedded machine profile by name (see ``profile_names()``)."""
     if name not in profile_names():
-        raise ValueError(f"unknown profile {name!r}; embedded profiles: {', '.join(profile_names())}")
+        raise ValueError(
+            f"unknown profile {name!r}; embedded profiles: {', '.join(profile_names())}"
+        )
     text = resources.files(_PROFILE_PACKAGE).joinpath(f"{name}.json").read_text()
     return facts_from_json(json.loads(text), source=f"profile:{name}")
 
@@ -231,7 +237,9 @@ def probe_host() -> HostFacts:
     try:
         import pynvml as nvml
     except ImportError:
-        return HostFacts(source="nvml", versions=versions, probe_error="nvidia-ml-py is not installed")
+        return HostFacts(
+            source="nvml", versions=versions, probe_error="nvidia-ml-py is not installed"
+        )
     try:
         nvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
@@ -249,9 +257,7 @@ def probe_host() -> HostFacts:
             )
             for pos, h in enumerate(handles)
         )
-        p2p = tuple(
-            tuple(a is b or _p2p_ok(nvml, a, b) for b in handles) for a in handles
-        )
+        p2p = tuple(tuple(a is b or _p2p_ok(nvml, a, b) for b in handles) for a in handles)
         cuda_driver = nvml.nvmlSystemGetCudaDriverVersion()
         return HostFacts(
             source="nvml",

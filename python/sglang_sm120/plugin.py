@@ -65,7 +65,9 @@ def apply_patches() -> dict[str, str]:
         return dict(PATCH_STATUS)
     installed = metadata.version("sglang")
     if installed != SGLANG_PIN:
-        reason = f"sglang {installed} installed, sglang-sm120 {__version__} supports {SGLANG_PIN} only"
+        reason = (
+            f"sglang {installed} installed, sglang-sm120 {__version__} supports {SGLANG_PIN} only"
+        )
         log_once(logging.ERROR, f"sglang-sm120: applying nothing: {reason}")
         _set_all(f"refused ({reason})")
         return dict(PATCH_STATUS)
@@ -75,7 +77,9 @@ def apply_patches() -> dict[str, str]:
     problems = check(tuple(s for m in needed for s in m.CONTRACT) + _REGISTRY_CONTRACT)
     if problems:
         reason = f"upstream contract mismatch with sglang {installed}: {problems[0]}"
-        log_once(logging.ERROR, f"sglang-sm120 {__version__}: applying nothing: " + "; ".join(problems))
+        log_once(
+            logging.ERROR, f"sglang-sm120 {__version__}: applying nothing: " + "; ".join(problems)
+        )
         _set_all(f"refused ({reason})")
         return dict(PATCH_STATUS)
     for module in PATCHES:
@@ -88,7 +92,9 @@ def apply_patches() -> dict[str, str]:
         _apply_hooks_for(_targets(module))
         if hasattr(module, "after_apply"):
             module.after_apply()
-        verified = module.is_applied() if hasattr(module, "is_applied") else _hooks_in_effect(module)
+        verified = (
+            module.is_applied() if hasattr(module, "is_applied") else _hooks_in_effect(module)
+        )
         PATCH_STATUS[patch_name(module)] = (
             "applied" if verified else "refused (target not patched after applying; see the log)"
         )
@@ -101,7 +107,10 @@ def register() -> None:
         statuses = apply_patches()
         cap = load_capability()
         summary = ", ".join(f"{name}={status}" for name, status in statuses.items())
-        log_once(logging.INFO, f"sglang-sm120 {__version__}: {'; '.join(cap.reasons)}; patches: {summary}")
+        log_once(
+            logging.INFO,
+            f"sglang-sm120 {__version__}: {'; '.join(cap.reasons)}; patches: {summary}",
+        )
     except Exception:
         logger.exception("sglang-sm120: plugin failed to load; SGLang runs unpatched")
         _set_all("refused (plugin error; see the log)")

@@ -80,7 +80,9 @@ class AllReducePlan:
 
     def summary(self) -> str:
         fusion = self.fusion_backend or "off"
-        return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(self.reasons)
+        return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(
+            self.reasons
+        )
 
 
 def hardware_capability(facts: HostFacts, tp_size: int | None = None) -> Capability:
@@ -92,7 +94,10 @@ def hardware_capability(facts: HostFacts, tp_size: int | None = None) -> Capabil
         return Capability(False, False, False, ("no NVIDIA GPU visible",))
     if any(g.capability[0] != 12 for g in gpus):
         return Capability(
-            False, False, False, (f"{describe_gpus(gpus)}: not SM12x, upstream behaviour untouched",)
+            False,
+            False,
+            False,
+            (f"{describe_gpus(gpus)}: not SM12x, upstream behaviour untouched",),
         )
     indices = [g.index for g in gpus]
     missing = facts.missing_p2p_pairs(indices)
@@ -144,9 +149,15 @@ def _plan_fusion(
                 f"fusion off: backend {flag} refused on SM12x (mnnvl needs an NVLink fabric, "
                 "cutedsl needs SM100); use trtllm"
             )
-        return "trtllm", f"fusion trtllm: requested with --flashinfer-allreduce-fusion-backend {flag}"
+        return (
+            "trtllm",
+            f"fusion trtllm: requested with --flashinfer-allreduce-fusion-backend {flag}",
+        )
     if d.tp_size in FUSION_AUTO_TP_SIZES:
-        return "trtllm", "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)"
+        return (
+            "trtllm",
+            "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)",
+        )
     if facts.has_nvlink:
         return None, (
             f"fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
@@ -158,7 +169,9 @@ def _plan_fusion(
     )
 
 
-def _plan_plain(cap: Capability, facts: HostFacts, d: Deployment, fusion: str | None) -> tuple[str, str]:
+def _plan_plain(
+    cap: Capability, facts: HostFacts, d: Deployment, fusion: str | None
+) -> tuple[str, str]:
     if d.tp_size <= 1:
         return "none", "plain all-reduce: none at tp=1"
     if d.nnodes > 1 or facts.nnodes > 1:
@@ -168,11 +181,17 @@ def _plan_plain(cap: Capability, facts: HostFacts, d: Deployment, fusion: str | 
     if not cap.pcie_ipc_capable:
         return "upstream", "plain all-reduce: NVLink present, upstream's custom all-reduce or NCCL"
     if d.tp_size not in PCIE_IPC_WORLD_SIZES:
-        return "nccl", f"plain all-reduce NCCL: PCIe-IPC kernels exist for TP 2/4/8, not {d.tp_size}"
+        return (
+            "nccl",
+            f"plain all-reduce NCCL: PCIe-IPC kernels exist for TP 2/4/8, not {d.tp_size}",
+        )
     if d.pcie_ipc_env is False:
         return "nccl", "plain all-reduce NCCL: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user"
     if d.deterministic:
-        return "nccl", "plain all-reduce NCCL: deterministic inference (PCIe-IPC picks tactics per shape)"
+        return (
+            "nccl",
+            "plain all-reduce NCCL: deterministic inference (PCIe-IPC picks tactics per shape)",
+        )
     if d.dtype is not None and d.dtype != "bfloat16":
         return "nccl", f"plain all-reduce NCCL: PCIe-IPC serves bf16 only, model dtype is {d.dtype}"
     ahead = ", ahead of the fused backend's all-to-all kernel" if fusion else ""
@@ -190,7 +209,8 @@ def plan_allreduce(
     if not cap.sm12x:
         return AllReducePlan(False, None, "upstream", cap.reasons)
     if deployment.nnodes == 1 and deployment.tp_size > len(facts.gpus):
-        reason = f"tp={deployment.tp_size} needs {deployment.tp_size} GPUs, {len(facts.gpus)} visible: NCCL"
+        tp = deployment.tp_size
+        reason = f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
         return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
     fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
     plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)

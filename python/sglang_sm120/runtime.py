@@ -104,7 +104,9 @@ def plan_for(deployment: Deployment, where: str) -> AllReducePlan:
     """Plan with this process's facts and log it once."""
     plan = plan_allreduce(current_facts(), deployment, fusion_archs())
     if plan.managed:
-        log_once(logging.INFO, f"sglang-sm120 plan ({where}, tp={deployment.tp_size}): {plan.summary()}")
+        log_once(
+            logging.INFO, f"sglang-sm120 plan ({where}, tp={deployment.tp_size}): {plan.summary()}"
+        )
     return plan
 
 

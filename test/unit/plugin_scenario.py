@@ -18,9 +18,15 @@ import sys
 def platform_facts(capability: tuple[int, int]) -> dict:
     major = capability[0]
     return dict(
-        is_cuda=True, is_hip=False, has_flashinfer=True,
-        device_capability=capability, device_sm=major * 10 + capability[1],
-        is_sm90=major == 9, is_sm100=major == 10, is_sm120=major == 12, is_blackwell=major in (10, 12),
+        is_cuda=True,
+        is_hip=False,
+        has_flashinfer=True,
+        device_capability=capability,
+        device_sm=major * 10 + capability[1],
+        is_sm90=major == 9,
+        is_sm100=major == 10,
+        is_sm120=major == 12,
+        is_blackwell=major in (10, 12),
     )
 
 
@@ -42,21 +48,30 @@ def main() -> None:
         from sglang.srt.layers import flashinfer_comm_fusion
         from sglang.srt.layers.layer_boundary.residual import add_norm
         from sglang.srt.server_args import ServerArgs
-
         from sglang_sm120.runtime import PATCH_STATUS
 
         extra = json.loads(os.environ.get("SCENARIO_SERVER_ARGS", "{}"))
-        result: dict = {"patches": dict(PATCH_STATUS), "fusion_backend": {}, "resolve": {},
-                        "pcie_ipc_eligible": {}, "flashinfer_allreduce_only": {}}
+        result: dict = {
+            "patches": dict(PATCH_STATUS),
+            "fusion_backend": {},
+            "resolve": {},
+            "pcie_ipc_eligible": {},
+            "flashinfer_allreduce_only": {},
+        }
         for tp in tps:
             args = ServerArgs(model_path=model_dir, tp_size=tp, device="cuda", **extra)
             args.resolve_once()
-            result["fusion_backend"][tp] = args.resolved_dict()["flashinfer_allreduce_fusion_backend"]
+            result["fusion_backend"][tp] = args.resolved_dict()[
+                "flashinfer_allreduce_fusion_backend"
+            ]
             with get_context().override_server_args(tp_size=tp, **extra):
                 result["pcie_ipc_eligible"][tp] = pcie_ipc_ar.eligible_group(
-                    group_name="tp", world_size=tp, deterministic=False)
+                    group_name="tp", world_size=tp, deterministic=False
+                )
                 parallel_state.set_flashinfer_allreduce_only(True)
-                result["flashinfer_allreduce_only"][tp] = parallel_state._ENABLE_FLASHINFER_ALLREDUCE_ONLY
+                result["flashinfer_allreduce_only"][tp] = (
+                    parallel_state._ENABLE_FLASHINFER_ALLREDUCE_ONLY
+                )
         for backend in ("auto", "trtllm", "mnnvl"):
             try:
                 result["resolve"][backend] = flashinfer_comm_fusion._resolve_backend(backend, False)

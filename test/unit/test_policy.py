@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from sglang_sm120.facts import facts_from_json, load_profile
 from sglang_sm120.policy import Deployment, hardware_capability, plan_allreduce
 
@@ -39,27 +38,85 @@ ROWS = [
     ("tp2 auto fusion", PCIE8, D(2, model_arch=KIMI), "trtllm", "pcie_ipc"),
     ("tp4 fusion off by default", PCIE8, D(4, model_arch=KIMI), None, "pcie_ipc"),
     ("tp8 fusion off by default", PCIE8, D(8, model_arch=DSV3), None, "pcie_ipc"),
-    ("tp8 user asks trtllm", PCIE8, D(8, model_arch=KIMI, fusion_backend_flag="trtllm"), "trtllm", "pcie_ipc"),
-    ("tp4 user asks auto", PCIE8, D(4, model_arch=KIMI, fusion_backend_flag="auto"), "trtllm", "pcie_ipc"),
-    ("user mnnvl refused", PCIE8, D(8, model_arch=KIMI, fusion_backend_flag="mnnvl"), None, "pcie_ipc"),
-    ("user cutedsl refused", PCIE8, D(2, model_arch=KIMI, fusion_backend_flag="cutedsl"), None, "pcie_ipc"),
-    ("enforce-disable wins at tp2", PCIE8, D(2, model_arch=KIMI, enforce_disable_fusion=True), None, "pcie_ipc"),
-    ("enforce-disable beats explicit trtllm", PCIE8,
-     D(8, model_arch=KIMI, fusion_backend_flag="trtllm", enforce_disable_fusion=True), None, "pcie_ipc"),
+    (
+        "tp8 user asks trtllm",
+        PCIE8,
+        D(8, model_arch=KIMI, fusion_backend_flag="trtllm"),
+        "trtllm",
+        "pcie_ipc",
+    ),
+    (
+        "tp4 user asks auto",
+        PCIE8,
+        D(4, model_arch=KIMI, fusion_backend_flag="auto"),
+        "trtllm",
+        "pcie_ipc",
+    ),
+    (
+        "user mnnvl refused",
+        PCIE8,
+        D(8, model_arch=KIMI, fusion_backend_flag="mnnvl"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "user cutedsl refused",
+        PCIE8,
+        D(2, model_arch=KIMI, fusion_backend_flag="cutedsl"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "enforce-disable wins at tp2",
+        PCIE8,
+        D(2, model_arch=KIMI, enforce_disable_fusion=True),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "enforce-disable beats explicit trtllm",
+        PCIE8,
+        D(8, model_arch=KIMI, fusion_backend_flag="trtllm", enforce_disable_fusion=True),
+        None,
+        "pcie_ipc",
+    ),
     ("arch without fused path", PCIE8, D(2, model_arch="LlamaForCausalLM"), None, "pcie_ipc"),
     ("arch unknown", PCIE8, D(2), None, "pcie_ipc"),
-    ("attention DP", PCIE8, D(8, model_arch=KIMI, attention_dp=True, fusion_backend_flag="trtllm"), None, "pcie_ipc"),
+    (
+        "attention DP",
+        PCIE8,
+        D(8, model_arch=KIMI, attention_dp=True, fusion_backend_flag="trtllm"),
+        None,
+        "pcie_ipc",
+    ),
     ("MoE all-to-all", PCIE8, D(8, model_arch=KIMI, moe_a2a_backend="deepep"), None, "pcie_ipc"),
     ("multi-node", PCIE8, D(8, model_arch=KIMI, nnodes=2), None, "nccl"),
-    ("multi-node explicit trtllm refused", PCIE8, D(8, model_arch=KIMI, nnodes=2, fusion_backend_flag="trtllm"),
-     None, "nccl"),
+    (
+        "multi-node explicit trtllm refused",
+        PCIE8,
+        D(8, model_arch=KIMI, nnodes=2, fusion_backend_flag="trtllm"),
+        None,
+        "nccl",
+    ),
     ("tp1", PCIE8, D(1, model_arch=KIMI), None, "none"),
     ("tp6 no PCIe-IPC kernels", PCIE8, D(6, model_arch=KIMI), None, "nccl"),
     ("tp larger than GPUs", NOP2P2, D(8, model_arch=KIMI), None, "nccl"),
-    ("no P2P: NCCL even if trtllm asked", NOP2P2, D(2, model_arch=KIMI, fusion_backend_flag="trtllm"), None, "nccl"),
+    (
+        "no P2P: NCCL even if trtllm asked",
+        NOP2P2,
+        D(2, model_arch=KIMI, fusion_backend_flag="trtllm"),
+        None,
+        "nccl",
+    ),
     ("no P2P at tp2 auto", NOP2P2, D(2, model_arch=KIMI), None, "nccl"),
     ("one pair without P2P", one_pair_missing(), D(8, model_arch=KIMI), None, "nccl"),
-    ("missing pair outside the tp group", one_pair_missing(), D(2, model_arch=KIMI), "trtllm", "pcie_ipc"),
+    (
+        "missing pair outside the tp group",
+        one_pair_missing(),
+        D(2, model_arch=KIMI),
+        "trtllm",
+        "pcie_ipc",
+    ),
     ("user turned PCIe-IPC off", PCIE8, D(8, model_arch=KIMI, pcie_ipc_env=False), None, "nccl"),
     ("deterministic inference", PCIE8, D(8, model_arch=KIMI, deterministic=True), None, "nccl"),
     ("fp16 model", PCIE8, D(8, model_arch=KIMI, dtype="float16"), None, "nccl"),
@@ -67,11 +124,19 @@ ROWS = [
     ("SM120 with NVLink tp2", host(nvlink=True), D(2, model_arch=KIMI), "trtllm", "upstream"),
     ("SM121 counts as SM12x", host(cap=(12, 1), n=2), D(2, model_arch=KIMI), "trtllm", "pcie_ipc"),
     ("SM90 untouched", H200, D(8, model_arch=KIMI), None, "upstream"),
-    ("SM100 untouched", host(cap=(10, 0)), D(8, model_arch=KIMI, fusion_backend_flag="mnnvl"), None, "upstream"),
+    (
+        "SM100 untouched",
+        host(cap=(10, 0)),
+        D(8, model_arch=KIMI, fusion_backend_flag="mnnvl"),
+        None,
+        "upstream",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("facts", "deployment", "fusion", "plain"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+@pytest.mark.parametrize(
+    ("facts", "deployment", "fusion", "plain"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
+)
 def test_plan_table(facts, deployment, fusion, plain):
     plan = plan_allreduce(facts, deployment, ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == (fusion, plain), plan.reasons
@@ -86,8 +151,12 @@ def test_non_sm12x_is_not_managed():
 def test_refused_user_choice_names_the_backend_and_the_reason():
     plan = plan_allreduce(PCIE8, Deployment(8, model_arch=KIMI, fusion_backend_flag="mnnvl"), ARCHS)
     assert any("mnnvl refused" in r for r in plan.reasons)
-    plan = plan_allreduce(NOP2P2, Deployment(2, model_arch=KIMI, fusion_backend_flag="trtllm"), ARCHS)
-    assert any("requested trtllm refused" in r and "no P2P between GPUs 0-1" in r for r in plan.reasons)
+    plan = plan_allreduce(
+        NOP2P2, Deployment(2, model_arch=KIMI, fusion_backend_flag="trtllm"), ARCHS
+    )
+    assert any(
+        "requested trtllm refused" in r and "no P2P between GPUs 0-1" in r for r in plan.reasons
+    )
 
 
 def test_tp8_reasons_cite_the_upstream_regression_and_pcie_ipc():

@@ -1,13 +1,13 @@
 """The patch ledger: one module per upstream seam, each headed by Why / How / Upstream / Removal.
 
-| module                 | upstream seam                                        | effect on SM12x            |
-|------------------------|------------------------------------------------------|----------------------------|
-| fusion_auto_enable     | arg_groups/overrides auto-enable pass                | plan's fusion backend      |
-| resolve_backend        | flashinfer_comm_fusion._resolve_backend              | trtllm resolves, no crash  |
-| fusion_applies         | add_norm._is_sm90_supported (per-call gate)          | fused points run           |
-| workspace_preflight    | trtllm workspace sizing (multicast granularity)      | preflight passes on PCIe   |
-| pcie_ipc_enable        | pcie_ipc_ar.eligible_group                           | PCIe-IPC on by default     |
-| allreduce_precedence   | parallel_state.set_flashinfer_allreduce_only         | plain AR -> PCIe-IPC first |
+| module               | upstream seam                                | effect on SM12x            |
+|----------------------|----------------------------------------------|----------------------------|
+| fusion_auto_enable   | arg_groups/overrides auto-enable pass        | plan's fusion backend      |
+| resolve_backend      | flashinfer_comm_fusion._resolve_backend      | trtllm resolves, no crash  |
+| fusion_applies       | add_norm._is_sm90_supported (per-call gate)  | fused points run           |
+| workspace_preflight  | trtllm workspace sizing (multicast query)    | preflight passes on PCIe   |
+| pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
+| allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
 
 A patch module provides ``CONTRACT`` (the upstream symbols it touches), ``HOOKS`` (hook-registry
 rows), ``not_needed(capability)`` and optionally ``after_apply()`` / ``is_applied()``.

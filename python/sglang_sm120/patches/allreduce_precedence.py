@@ -26,8 +26,12 @@ from sglang_sm120.runtime import log_once, plan_for_runtime
 TARGET = "sglang.srt.distributed.parallel_state.set_flashinfer_allreduce_only"
 CONTRACT = (
     Symbol(TARGET, "function", params=("enable",)),
-    Symbol("sglang.srt.distributed.parallel_state._tag_groups_for_flashinfer_allreduce_only",
-           "function", params=(), reads=("_ENABLE_FLASHINFER_ALLREDUCE_ONLY",)),
+    Symbol(
+        "sglang.srt.distributed.parallel_state._tag_groups_for_flashinfer_allreduce_only",
+        "function",
+        params=(),
+        reads=("_ENABLE_FLASHINFER_ALLREDUCE_ONLY",),
+    ),
 )
 
 
@@ -39,8 +43,11 @@ def keep_plain_allreduce_on_pcie_ipc(*args, **kwargs):
     enable = kwargs.get("enable", args[0] if args else False)
     if not enable or plan_for_runtime().plain_allreduce != "pcie_ipc":
         return None
-    log_once(logging.INFO, "sglang-sm120: plain all-reduces stay on PCIe-IPC; the fused backend "
-             "serves only the all-reduce + residual + RMSNorm points")
+    log_once(
+        logging.INFO,
+        "sglang-sm120: plain all-reduces stay on PCIe-IPC; the fused backend "
+        "serves only the all-reduce + residual + RMSNorm points",
+    )
     return (), {"enable": False}
 
 

@@ -20,8 +20,12 @@ from sglang_sm120.policy import Capability
 MODULE = "sglang.srt.layers.layer_boundary.residual.add_norm"
 CONSTANT = f"{MODULE}._is_sm90_supported"
 CONTRACT = (
-    Symbol(f"{MODULE}.flashinfer_ar_fusion_applies", "function", params=("batch_size",),
-           reads=("_is_sm90_supported",)),
+    Symbol(
+        f"{MODULE}.flashinfer_ar_fusion_applies",
+        "function",
+        params=("batch_size",),
+        reads=("_is_sm90_supported",),
+    ),
     Symbol(CONSTANT, "attribute", type_name="bool"),
 )
 HOOKS = ()
@@ -34,7 +38,7 @@ def not_needed(cap: Capability) -> str | None:
 def after_apply() -> None:
     import importlib
 
-    setattr(importlib.import_module(MODULE), "_is_sm90_supported", True)
+    importlib.import_module(MODULE)._is_sm90_supported = True
 
 
 def is_applied() -> bool:

@@ -31,8 +31,11 @@ CONTRACT = (
     Symbol(TARGET, "function", params=("view",)),
     Symbol(PASSES, "attribute", type_name="list"),
     Symbol(f"{MODULE}._FLASHINFER_ALLREDUCE_FUSION_ARCHS", "attribute", type_name="frozenset"),
-    Symbol("sglang.srt.arg_groups.model_override_base.model_config_of", "function",
-           params=("server_args",)),
+    Symbol(
+        "sglang.srt.arg_groups.model_override_base.model_config_of",
+        "function",
+        params=("server_args",),
+    ),
     Symbol("sglang.srt.runtime_context.attn_dp_enabled_of", "function", params=("cfg",)),
 )
 
@@ -48,8 +51,11 @@ def fusion_backend_from_plan(original, view: Any) -> dict:
         return declared
     requested = getattr(view, FIELD)
     if requested is not None and plan.fusion_backend is None:
-        log_once(logging.WARNING, f"sglang-sm120: --flashinfer-allreduce-fusion-backend {requested} "
-                 f"refused, using NCCL + RMSNorm: {plan.reasons[-2]}")
+        log_once(
+            logging.WARNING,
+            f"sglang-sm120: --flashinfer-allreduce-fusion-backend {requested} "
+            f"refused, using NCCL + RMSNorm: {plan.reasons[-2]}",
+        )
     if plan.fusion_backend == requested:
         return declared
     return {**declared, FIELD: plan.fusion_backend}

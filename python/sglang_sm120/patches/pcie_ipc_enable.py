@@ -24,8 +24,12 @@ from sglang_sm120.runtime import log_once, pcie_ipc_env, plan_for_runtime
 
 TARGET = "sglang.srt.distributed.device_communicators.pcie_ipc_ar.eligible_group"
 CONTRACT = (
-    Symbol(TARGET, "function", params=("group_name", "world_size", "deterministic"),
-           reads=("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE",)),
+    Symbol(
+        TARGET,
+        "function",
+        params=("group_name", "world_size", "deterministic"),
+        reads=("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE",),
+    ),
     Symbol("sglang.srt.environ.envs", "attribute"),
 )
 
@@ -48,8 +52,10 @@ def eligible_by_plan(original, *, group_name, world_size: int, deterministic: bo
         with envs.SGLANG_ENABLE_PCIE_IPC_ALLREDUCE.override(True):
             return original(**call)
     if user_choice and plan.plain_allreduce != "pcie_ipc":
-        log_once(logging.WARNING, "sglang-sm120: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused: "
-                 f"{plan.reasons[-1]}")
+        log_once(
+            logging.WARNING,
+            f"sglang-sm120: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused: {plan.reasons[-1]}",
+        )
         return False
     return original(**call)
 

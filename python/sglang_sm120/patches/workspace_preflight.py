@@ -24,9 +24,12 @@ from sglang_sm120.runtime import load_capability
 
 TARGET = "sglang.srt.layers.flashinfer_comm_fusion._flashinfer_trtllm_workspace_allocation_sizes"
 CONTRACT = (
-    Symbol(TARGET, "function",
-           params=("cuda_driver", "prop", "world_size", "max_token_num", "hidden_dim", "dtype"),
-           reads=("cuMulticastGetGranularity",)),
+    Symbol(
+        TARGET,
+        "function",
+        params=("cuda_driver", "prop", "world_size", "max_token_num", "hidden_dim", "dtype"),
+        reads=("cuMulticastGetGranularity",),
+    ),
 )
 
 
@@ -47,7 +50,9 @@ class UnicastDriver:
         return self._driver.CUresult.CUDA_SUCCESS, 1
 
 
-def size_without_multicast(original, cuda_driver, prop, world_size, max_token_num, hidden_dim, dtype):
+def size_without_multicast(
+    original, cuda_driver, prop, world_size, max_token_num, hidden_dim, dtype
+):
     if load_capability().fusion_capable:
         cuda_driver = UnicastDriver(cuda_driver)
     return original(cuda_driver, prop, world_size, max_token_num, hidden_dim, dtype)

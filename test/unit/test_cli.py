@@ -1,0 +1,101 @@
+"""``sglang-sm120 plan`` and ``doctor`` as a user runs them: a subprocess, JSON parsed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+KIMI = "KimiK25ForConditionalGeneration"
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    exe = shutil.which("sglang-sm120", path=os.path.dirname(sys.executable)) or shutil.which(
+        "sglang-sm120"
+    )
+    assert exe, "the sglang-sm120 console script is not installed"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
+    full_env.update(env or {})
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def plan_json(*args: str) -> dict:
+    proc = run_cli("plan", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_plan_tp8_pcie_turns_pcie_ipc_on_with_reasons():
+    plan = plan_json("--profile", "rtx-pro-6000-x8-pcie", "--tp", "8", "--model-arch", KIMI)
+    assert plan["plain_allreduce"] == "pcie_ipc" and plan["fusion_backend"] is None
+    assert any("PCIe-IPC" in r for r in plan["reasons"]) and any(
+        "#32330" in r for r in plan["reasons"]
+    )
+
+
+def test_plan_tp2_pcie_turns_trtllm_fusion_on():
+    plan = plan_json("--profile", "rtx-pro-6000-x8-pcie", "--tp", "2", "--model-arch", KIMI)
+    assert plan["fusion_backend"] == "trtllm" and plan["plain_allreduce"] == "pcie_ipc"
+
+
+def test_plan_no_p2p_falls_back_to_nccl_with_reason():
+    plan = plan_json("--profile", "rtx-5090-x2-nop2p", "--tp", "2", "--model-arch", KIMI)
+    assert plan["fusion_backend"] is None and plan["plain_allreduce"] == "nccl"
+    assert any("no P2P between GPUs 0-1" in r for r in plan["reasons"])
+
+
+def test_plan_reads_a_topology_file(tmp_path):
+    topo = {"gpus": [{"name": "NVIDIA RTX PRO 6000", "capability": [12, 0]}] * 4, "p2p": "all"}
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(topo))
+    plan = plan_json("--topology", str(path), "--tp", "4", "--model-arch", KIMI)
+    assert plan["plain_allreduce"] == "pcie_ipc" and plan["facts_source"] == f"file:{path}"
+
+
+def test_plan_bad_topology_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"gpus": [{"name": "x"}]}))
+    proc = run_cli("plan", "--topology", str(path), "--tp", "2")
+    assert proc.returncode == 2 and "needs 'name' and 'capability'" in proc.stderr
+
+
+def test_doctor_json_without_gpu_exits_zero_and_says_so():
+    proc = run_cli("doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    if report["gpu_present"]:
+        pytest.skip("this machine has a GPU; the no-GPU report is checked on CPU CI")
+    assert report["entry_point_discovered"] is True
+    assert report["contract_problems"] == []
+    assert all(s.startswith("not needed (") for s in report["patches"].values())
+    assert report["versions"]["sglang"] == "0.5.23"
+
+
+def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
+    proc = run_cli(
+        "doctor",
+        "--json",
+        "--tp",
+        "8",
+        "--model-arch",
+        KIMI,
+        env={"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report["patches"].values()) == {"applied"}
+    assert report["plan"]["plain_allreduce"] == "pcie_ipc"
+    assert len(report["facts"]["gpus"]) == 8 and report["facts"]["has_nvlink"] is False
+
+
+def test_doctor_text_shows_p2p_matrix_and_kill_switch_state():
+    proc = run_cli(
+        "doctor", env={"SGLANG_SM120_TOPOLOGY": "rtx-5090-x2-nop2p", "SGLANG_SM120_DISABLE": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "GPU0   -  N" in proc.stdout and "disabled (SGLANG_SM120_DISABLE=1)" in proc.stdout
+    assert "kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied" in proc.stdout

@@ -1,0 +1,131 @@
+"""The declared upstream contract matches the installed sglang, and a mismatch applies nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from sglang_sm120 import plugin
+from sglang_sm120.contract import Symbol, check, mismatch
+from sglang_sm120.patches import PATCHES, patch_name
+from sglang_sm120.runtime import PATCH_STATUS
+
+FULL_CONTRACT = tuple(s for m in PATCHES for s in m.CONTRACT) + plugin._REGISTRY_CONTRACT
+
+
+def test_installed_sglang_matches_every_declared_symbol():
+    assert check(FULL_CONTRACT) == []
+
+
+def test_every_hook_target_is_declared_in_its_patch_contract():
+    for module in PATCHES:
+        declared = {s.target for s in module.CONTRACT}
+        for target, _, _ in module.HOOKS:
+            assert target in declared, f"{patch_name(module)} hooks {target} without declaring it"
+
+
+def test_missing_symbol_is_named():
+    problem = mismatch(
+        Symbol("sglang.srt.layers.flashinfer_comm_fusion._resolve_backend_v2", "function")
+    )
+    assert problem.startswith(
+        "sglang.srt.layers.flashinfer_comm_fusion._resolve_backend_v2: not found"
+    )
+
+
+def test_changed_signature_is_named():
+    problem = mismatch(
+        Symbol(
+            "sglang.srt.layers.flashinfer_comm_fusion._resolve_backend",
+            "function",
+            params=("backend",),
+        )
+    )
+    assert "expected parameters ('backend',), found ('backend', 'is_multi_node')" in problem
+
+
+def test_constant_no_longer_read_is_named():
+    problem = mismatch(
+        Symbol(
+            "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies",
+            "function",
+            reads=("_is_sm120_supported",),
+        )
+    )
+    assert "no longer reads _is_sm120_supported" in problem
+
+
+@pytest.fixture
+def pcie_host(monkeypatch):
+    """Our facts say 8x SM120 PCIe; restore the cached capability and statuses afterwards."""
+    from sglang_sm120 import facts, runtime
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    monkeypatch.delenv("SGLANG_SM120_DISABLE", raising=False)
+    for cached in (facts.current_facts, runtime.load_capability):
+        cached.cache_clear()
+    yield
+    for cached in (facts.current_facts, runtime.load_capability):
+        cached.cache_clear()
+    PATCH_STATUS.clear()
+
+
+def test_renamed_upstream_symbol_applies_nothing_and_logs_one_error(pcie_host, monkeypatch, caplog):
+    """Simulate an upstream rename on the real module: the seam disappears."""
+    from sglang.srt.layers import flashinfer_comm_fusion
+    from sglang_sm120.patches import workspace_preflight
+
+    monkeypatch.delattr(flashinfer_comm_fusion, "_flashinfer_trtllm_workspace_allocation_sizes")
+    with caplog.at_level(logging.ERROR, logger="sglang_sm120"):
+        statuses = plugin.apply_patches()
+    assert set(statuses) == {patch_name(m) for m in PATCHES}
+    assert all(
+        s.startswith("refused (upstream contract mismatch with sglang 0.5.23:")
+        for s in statuses.values()
+    )
+    assert all(workspace_preflight.TARGET in s for s in statuses.values())
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert (
+        len(errors) == 1
+        and "0.5.23.1" in errors[0].message
+        and workspace_preflight.TARGET in errors[0].message
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    assert not any(
+        t.startswith("sglang.srt") and t in HookRegistry._patched
+        for t, _, _ in workspace_preflight.HOOKS
+    )
+
+
+def test_changed_signature_upstream_applies_nothing(pcie_host, monkeypatch):
+    from sglang.srt.distributed.device_communicators import pcie_ipc_ar
+
+    def eligible_group(*, group_name, world_size):  # upstream dropped a parameter
+        return False
+
+    monkeypatch.setattr(pcie_ipc_ar, "eligible_group", eligible_group)
+    statuses = plugin.apply_patches()
+    assert all(
+        "expected parameters ('group_name', 'world_size', 'deterministic')" in s
+        for s in statuses.values()
+    )
+
+
+def test_wrong_sglang_version_applies_nothing(pcie_host, monkeypatch):
+    monkeypatch.setattr(plugin, "SGLANG_PIN", "0.5.99")
+    statuses = plugin.apply_patches()
+    assert all(
+        s == "refused (sglang 0.5.23 installed, sglang-sm120 0.5.23.1 supports 0.5.99 only)"
+        for s in statuses.values()
+    )
+
+
+def test_register_never_raises(monkeypatch):
+    def broken() -> dict:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(plugin, "apply_patches", broken)
+    plugin.register()
+    assert all(s == "refused (plugin error; see the log)" for s in PATCH_STATUS.values())
+    PATCH_STATUS.clear()
