@@ -2,8 +2,8 @@
 confirm each really took effect, and record a status per patch for ``doctor`` and the logs.
 
 Order of refusals (first match wins; each is logged once and recorded as the patch status):
-``SGLANG_SM120_DISABLE=1`` -> no SM12x GPU -> sglang version is not the pinned one -> a
-contract symbol does not match. ``register()`` never raises.
+``SGLANG_SM120_DISABLE=1`` -> no patch needed here (no SM12x GPU) -> sglang version is not the
+pinned one -> a contract symbol does not match. ``register()`` never raises.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def apply_patches() -> dict[str, str]:
         _set_all(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)
     cap = load_capability()
-    if not cap.sm12x:
-        _set_all(f"not needed ({cap.reasons[0]})")
+    needed = [m for m in PATCHES if m.not_needed(cap) is None]
+    if not needed:
+        for module in PATCHES:
+            PATCH_STATUS[patch_name(module)] = f"not needed ({module.not_needed(cap)})"
         return dict(PATCH_STATUS)
     installed = metadata.version("sglang")
     if installed != SGLANG_PIN:
@@ -73,7 +75,6 @@ def apply_patches() -> dict[str, str]:
         return dict(PATCH_STATUS)
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    needed = [m for m in PATCHES if m.not_needed(cap) is None]
     problems = check(tuple(s for m in needed for s in m.CONTRACT) + _REGISTRY_CONTRACT)
     if problems:
         reason = f"upstream contract mismatch with sglang {installed}: {problems[0]}"

@@ -28,6 +28,7 @@ PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
 #: patch name -> "applied" | "not needed (...)" | "refused (...)" | "disabled (...)"
 PATCH_STATUS: dict[str, str] = {}
 _logged: set[str] = set()
+_last_plan: list[AllReducePlan] = []
 
 
 def log_once(level: int, message: str) -> None:
@@ -103,11 +104,17 @@ def deployment_from_runtime(*, deterministic: bool | None = None) -> Deployment:
 def plan_for(deployment: Deployment, where: str) -> AllReducePlan:
     """Plan with this process's facts and log it once."""
     plan = plan_allreduce(current_facts(), deployment, fusion_archs())
+    _last_plan[:] = [plan]
     if plan.managed:
         log_once(
             logging.INFO, f"sglang-sm120 plan ({where}, tp={deployment.tp_size}): {plan.summary()}"
         )
     return plan
+
+
+def last_plan() -> AllReducePlan | None:
+    """The most recent plan this process computed (for reports), or None."""
+    return _last_plan[0] if _last_plan else None
 
 
 def plan_for_view(view: Any) -> AllReducePlan:

@@ -31,6 +31,7 @@ SM120 = dict(
     is_blackwell=True,
 )
 ALL_PATCHES = {patch_name(m) for m in PATCHES}
+BEHAVIOUR_PATCHES = ALL_PATCHES - {"graph_stats"}
 
 
 def run_scenario(
@@ -94,7 +95,10 @@ def test_upstream_alone_raises_on_forced_backend_and_gates_fusion_off():
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"])
 def test_pcie_x8_profile_gets_planned_backends(model_dirs, arch):
     result = run_scenario(model_dirs[arch], 2, 4, 8)
-    assert result["patches"] == {name: "applied" for name in ALL_PATCHES}
+    assert {n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES} == {
+        name: "applied" for name in BEHAVIOUR_PATCHES
+    }
+    assert result["patches"]["graph_stats"] == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert result["fusion_backend"] == {"2": "trtllm", "4": None, "8": None}
     assert result["pcie_ipc_eligible"] == {"2": True, "4": True, "8": True}
     assert result["flashinfer_allreduce_only"] == {"2": False, "4": False, "8": False}
@@ -158,8 +162,8 @@ def test_no_p2p_host_refuses_fusion_and_pcie_ipc(model_dirs):
 def test_sm90_host_is_left_to_upstream(model_dirs):
     result = run_scenario(model_dirs["DeepseekV3ForCausalLM"], 8, profile="h200-x8-nvlink")
     assert all(
-        s.startswith("not needed (8x NVIDIA H200 (SM90): not SM12x")
-        for s in result["patches"].values()
+        result["patches"][name].startswith("not needed (8x NVIDIA H200 (SM90): not SM12x")
+        for name in BEHAVIOUR_PATCHES
     )
     assert result["fusion_backend"] == {"8": "auto"}
     assert result["pcie_ipc_eligible"] == {"8": False}
@@ -174,3 +178,10 @@ def test_kill_switch_loads_but_applies_nothing(model_dirs):
         "ValueError: FlashInfer allreduce fusion requires"
     )
     assert result["add_norm_sm90_constant"] is False
+
+
+def test_stats_instrumentation_applies_on_request(model_dirs, tmp_path):
+    result = run_scenario(
+        model_dirs["DeepseekV3ForCausalLM"], 2, env={"SGLANG_SM120_STATS_DIR": str(tmp_path)}
+    )
+    assert result["patches"]["graph_stats"] == "applied"

@@ -8,6 +8,7 @@
 | workspace_preflight  | trtllm workspace sizing (multicast query)    | preflight passes on PCIe   |
 | pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
 | allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
+| graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
 
 A patch module provides ``CONTRACT`` (the upstream symbols it touches), ``HOOKS`` (hook-registry
 rows), ``not_needed(capability)`` and optionally ``after_apply()`` / ``is_applied()``.
@@ -17,6 +18,7 @@ from sglang_sm120.patches import (
     allreduce_precedence,
     fusion_applies,
     fusion_auto_enable,
+    graph_stats,
     pcie_ipc_enable,
     resolve_backend,
     workspace_preflight,
@@ -29,6 +31,7 @@ PATCHES = (
     workspace_preflight,
     pcie_ipc_enable,
     allreduce_precedence,
+    graph_stats,
 )
 
 

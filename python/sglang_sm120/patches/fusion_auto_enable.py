@@ -41,7 +41,7 @@ CONTRACT = (
 
 
 def not_needed(cap: Capability) -> str | None:
-    return None if cap.sm12x else "no SM12x GPU"
+    return None if cap.sm12x else cap.reasons[0]
 
 
 def fusion_backend_from_plan(original, view: Any) -> dict:

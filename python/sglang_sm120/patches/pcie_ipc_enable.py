@@ -35,7 +35,7 @@ CONTRACT = (
 
 
 def not_needed(cap: Capability) -> str | None:
-    return None if cap.sm12x else "no SM12x GPU"
+    return None if cap.sm12x else cap.reasons[0]
 
 
 def eligible_by_plan(original, *, group_name, world_size: int, deterministic: bool) -> bool:

@@ -26,7 +26,7 @@ CONTRACT = (Symbol(TARGET, "function", params=("backend", "is_multi_node")),)
 
 
 def not_needed(cap: Capability) -> str | None:
-    return None if cap.sm12x else "no SM12x GPU"
+    return None if cap.sm12x else cap.reasons[0]
 
 
 def resolve_backend_on_sm12x(original, backend: str, is_multi_node: bool = False) -> str:
