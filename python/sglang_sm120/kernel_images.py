@@ -16,8 +16,10 @@ Format notes (learned from public fatbin parsers and checked against `cuobjdump 
   we read the executable one and fall back to the relocatable one only when it is absent.
 - The section holds fatbin containers, one per compiled unit: a 16-byte header (magic
   0xBA55ED50, version, header size, payload size), then entries. Each entry header says its
-  kind (1 = PTX, 2 = ELF cubin), SM number, flags and payload sizes; headers are never
-  compressed, so compressed payloads (zstd on CUDA 12.8+, LZ4 before) never need unpacking.
+  kind (1 = PTX, 2 = ELF cubin), SM number, flags and payload sizes. Headers are never
+  compressed, so targets are read without unpacking anything; payloads (zstd in CUDA 13
+  output, LZ4 in older toolkits) are unpacked only to tell kernel-less containers apart (the
+  CUDA runtime stub nvcc links into every library), via `zstandard`, an sglang dependency.
 - Entry flag 0x100000 marks an arch-specific target (sm_120a), 0x200000 a family one
   (sm_120f). cuobjdump prints an 'f' cubin as plain sm_120 (the cubin itself does not record
   'f'); we keep the 'f' from the fatbin header.
@@ -73,9 +75,10 @@ class FatbinEntry:
 class KernelImage:
     """The GPU targets embedded in one library (or one directory of cubins).
 
-    `units` holds the targets of each fatbin container separately: every container is a
-    compiled unit whose kernels need their own runnable image, so a library is only covered
-    when every unit is (a union of all archs would hide a unit built for sm_90a only).
+    `units` holds the targets of each fatbin container that defines kernels: every container
+    is a compiled unit whose kernels need their own runnable image, so a library is covered
+    only when every unit is (a union of all archs would hide a unit built for sm_90a only).
+    `sass_archs`/`ptx_archs` list every target present, as cuobjdump does.
     """
 
     path: Path
@@ -164,7 +167,7 @@ def coverage(image: KernelImage, capability: tuple[int, int]) -> Coverage:
     if image.error is not None:
         return Coverage(False, "unreadable", f"could not read GPU code: {image.error}")
     if not image.units:
-        return Coverage(True, "no-kernels", "contains no GPU code")
+        return Coverage(True, "no-kernels", "defines no GPU kernels, so needs no image")
     uncovered = [unit for unit in image.units if not any(runs_on(t, capability) for t in unit)]
     if uncovered:
         missing = set().union(*uncovered)
@@ -184,8 +187,8 @@ def coverage(image: KernelImage, capability: tuple[int, int]) -> Coverage:
     return Coverage(
         True,
         "ptx-jit",
-        f"no SASS for {device} in every unit; the driver JIT-compiles {_describe(ptx)} PTX at "
-        "first load (slow first start, cached by the driver afterwards)",
+        f"some compiled units have no SASS for {device}; the driver JIT-compiles their "
+        f"{_describe(ptx)} PTX at first load (slow first start, cached by the driver after)",
     )
 
 
@@ -214,7 +217,7 @@ def _unpack(fmt: str, data: mmap.mmap | bytes, offset: int, limit: int) -> tuple
 
 
 def _zstd_decompress(payload: bytes, size: int) -> bytes | None:
-    """zstd is how CUDA 12.8+ compresses fatbin entries; sglang requires `zstandard`."""
+    """zstd is how CUDA 13 compresses fatbin entries; sglang 0.5.23 requires `zstandard`."""
     try:
         import zstandard
     except ImportError:
@@ -249,7 +252,7 @@ def _entry_has_kernels(data: mmap.mmap | bytes, entry: int, kind: int, flags: in
         return _payload_has_kernels(kind, data[start : start + padded_size])
     payload = data[start : start + (compressed_size or padded_size)]
     if not flags & _FLAG_COMPRESSED_ZSTD or not payload.startswith(_ZSTD_MAGIC):
-        return None  # LZ4, from toolkits before 12.8: not unpacked here
+        return None  # LZ4 (older toolkits) is not unpacked here: assume it has kernels
     unpacked = _zstd_decompress(payload, uncompressed_size or 16 * len(payload))
     return None if unpacked is None else _payload_has_kernels(kind, unpacked)
 

@@ -7,6 +7,7 @@ seconds); the tests that need nvcc or cuobjdump skip with a reason where they ar
 
 from __future__ import annotations
 
+import _ctypes
 import os
 import shutil
 import subprocess
@@ -14,7 +15,6 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from sglang_sm120.kernel_images import (
     KernelImage,
     ServerLibrary,
@@ -134,7 +134,25 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, job in jobs.items():
         output, _ = job.communicate()
         assert job.returncode == 0, f"nvcc failed for {name}:\n{output}"
-    return {name: directory / name for name in BUILDS}
+    # Compiled for sm_120, linked by nvcc for sm_80: the link adds libcudart_static's device
+    # stub, a fatbin container with no kernel, built for the link step's arch only.
+    objects = directory / "add_one.o"
+    link_stub = directory / "linked_with_cudart_stub.so"
+    for arguments in (
+        [
+            "-c",
+            "-Xcompiler",
+            "-fPIC",
+            "-gencode",
+            "arch=compute_120,code=sm_120",
+            "-o",
+            str(objects),
+            str(source),
+        ],
+        ["-shared", "-gencode", "arch=compute_80,code=sm_80", "-o", str(link_stub), str(objects)],
+    ):
+        subprocess.run([NVCC, *arguments], check=True, capture_output=True)
+    return {name: directory / name for name in BUILDS} | {link_stub.name: link_stub}
 
 
 @needs_nvcc
@@ -166,6 +184,17 @@ def test_compress_all_marks_every_image_compressed_and_default_leaves_cubins_pla
     default = read_fatbin_entries(built["sm90_sass_only.so"])
     assert compressed and all(entry.compressed for entry in compressed)
     assert default and not any(entry.compressed for entry in default)
+
+
+@needs_nvcc
+def test_the_kernel_less_cuda_runtime_stub_needs_no_image(built: dict[str, Path]):
+    path = built["linked_with_cudart_stub.so"]
+    entries = read_fatbin_entries(path)
+    assert {(e.target, e.has_kernels) for e in entries} == {("sm_80", False), ("sm_120", True)}
+    image = scan_library(path)
+    assert image.sass_archs == ("sm_80", "sm_120")  # as cuobjdump lists them
+    assert image.units == (frozenset({"sm_120"}),)
+    assert coverage(image, (12, 0)).how == "sass"
 
 
 @needs_nvcc
@@ -230,7 +259,7 @@ def test_runs_on_follows_nvidia_compatibility_rules(target, capability, expected
 
 
 def test_runs_on_rejects_a_name_that_is_not_a_gpu_target():
-    with pytest.raises(ValueError, match="expected e.g. sm_120a, compute_90"):
+    with pytest.raises(ValueError, match=r"expected e\.g\. sm_120a, compute_90"):
         runs_on("sm120", (12, 0))
 
 
@@ -247,7 +276,7 @@ def test_one_uncovered_compiled_unit_makes_the_library_uncovered():
 
 
 def test_a_library_without_gpu_code_needs_no_coverage():
-    image = scan_library(Path(os.path.realpath(shutil.which("python3") or "/bin/sh")))
+    image = scan_library(Path(_ctypes.__file__))  # a host-only CPython extension
     assert image.error is None and image.units == ()
     assert coverage(image, (12, 0)) == coverage(image, (9, 0))
     assert coverage(image, (12, 0)).how == "no-kernels"
