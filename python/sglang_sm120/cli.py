@@ -4,6 +4,8 @@ sglang-sm120 doctor [--tp N] [--model-arch A] [--json]
     this machine: versions, GPUs, P2P, NVLink, NUMA, each patch's status, the plan
 sglang-sm120 plan (--profile NAME | --topology FILE) --tp N [--model-arch A] [--json]
     the plan for a machine you are not on
+sglang-sm120 warmup [--dry-run] [--vocab-size V]
+    compile the JIT kernels the server needs on this GPU, before the server starts
 sglang-sm120 profiles
     the embedded machine profiles
 """
@@ -128,11 +130,64 @@ def _plugin_state() -> dict[str, Any]:
     }
 
 
+def _parse_capability(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def _kernel_coverage(capability: tuple[int, int] | None) -> dict[str, Any]:
+    """Which compiled kernel libraries have no SASS for this GPU and no PTX to JIT from."""
+    if capability is None:
+        return {
+            "capability": None,
+            "libraries": [],
+            "missing": [],
+            "note": "no GPU: pass --capability 12.0 to check another GPU's coverage",
+        }
+    from sglang_sm120.kernel_images import check_coverage
+
+    rows = [
+        {
+            "path": str(r.library.path),
+            "package": r.library.package,
+            "required": r.library.required,
+            "ok": r.coverage.ok,
+            "how": r.coverage.how,
+            "detail": r.coverage.detail,
+        }
+        for r in check_coverage(capability)
+    ]
+    missing = [row for row in rows if not row["ok"] and row["how"] != "no-kernels"]
+    return {"capability": list(capability), "libraries": rows, "missing": missing}
+
+
+def _coverage_lines(report: dict[str, Any]) -> list[str]:
+    if report["capability"] is None:
+        return [f"kernel images: {report['note']}"]
+    sm = "SM{}{}".format(*report["capability"])
+    lines = [
+        f"kernel images for {sm}: {len(report['libraries'])} libraries read, "
+        f"{len(report['missing'])} without SASS or PTX for {sm}"
+    ]
+    for row in report["missing"]:
+        need = "loaded by every server" if row["required"] else "loaded by some backends"
+        lines.append(f"  MISSING {row['package']}: {row['path']} ({need}): {row['detail']}")
+    return lines
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
     plan = _plan(facts, args, tp_size)
     state = _plugin_state()
+    capability = (
+        _parse_capability(args.capability)
+        if args.capability
+        else facts.gpus[0].capability
+        if facts.gpus
+        else None
+    )
+    coverage = _kernel_coverage(capability)
     report = {
         "sglang_sm120": __version__,
         "sglang_pin": SGLANG_PIN,
@@ -142,6 +197,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "plan": {**plan.to_json(), "tp": tp_size},
         **state,
         "kill_switch": os.environ.get("SGLANG_SM120_DISABLE", ""),
+        "kernel_images": coverage,
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -166,8 +222,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if report["kill_switch"] not in ("", "0"):
         lines.append("kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied")
     lines += _plan_lines(plan, tp_size)
+    lines += _coverage_lines(coverage)
     print("\n".join(lines))
     return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from sglang_sm120.warmup import format_steps, run_warmup
+
+    steps = run_warmup(dry_run=args.dry_run, vocab_size=args.vocab_size)
+    print(format_steps(steps))
+    return 1 if any(step.status.startswith("failed") for step in steps) else 0
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
@@ -184,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="this machine: facts, patch statuses, plan")
     _add_deployment_args(doctor, tp_required=False)
+    doctor.add_argument(
+        "--capability", help="check kernel images for this compute capability, e.g. 12.0"
+    )
     doctor.set_defaults(func=cmd_doctor)
     plan = sub.add_parser("plan", help="the plan for a machine described by a profile or file")
     source = plan.add_mutually_exclusive_group(required=True)
@@ -191,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--topology", help="topology JSON file (format of the embedded profiles)")
     _add_deployment_args(plan, tp_required=True)
     plan.set_defaults(func=cmd_plan)
+    warmup = sub.add_parser("warmup", help="compile the server's JIT kernels for this GPU ahead")
+    warmup.add_argument("--dry-run", action="store_true", help="list the steps, build nothing")
+    warmup.add_argument(
+        "--vocab-size", type=int, default=163840, help="the model's vocabulary size"
+    )
+    warmup.set_defaults(func=cmd_warmup)
     profiles = sub.add_parser("profiles", help="list the embedded machine profiles")
     profiles.set_defaults(func=cmd_profiles)
     return parser

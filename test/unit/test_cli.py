@@ -101,3 +101,20 @@ def test_doctor_text_shows_p2p_matrix_and_kill_switch_state():
     assert proc.returncode == 0, proc.stderr
     assert "GPU0   -  N" in proc.stdout and "disabled (SGLANG_SM120_DISABLE=1)" in proc.stdout
     assert "kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied" in proc.stdout
+
+
+def test_doctor_checks_kernel_images_for_a_given_capability():
+    proc = run_cli("doctor", "--json", "--capability", "12.0")
+    assert proc.returncode == 0, proc.stderr
+    images = json.loads(proc.stdout)["kernel_images"]
+    assert images["capability"] == [12, 0]
+    required = [row for row in images["libraries"] if row["required"]]
+    assert required and all(row["ok"] for row in required), required
+    assert all(not row["ok"] for row in images["missing"])
+
+
+def test_warmup_dry_run_lists_its_steps_and_builds_nothing():
+    proc = run_cli("warmup", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 4 and all("skipped: dry run" in line for line in lines[:3])
