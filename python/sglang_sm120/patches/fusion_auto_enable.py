@@ -6,8 +6,9 @@ Why: ``overrides._flashinfer_allreduce_fusion_auto_enable`` enables FlashInfer's
 How: AROUND hook on the post-process pass. On SM12x hosts it returns the plan's backend:
     ``trtllm`` at TP2 or when the user asked for trtllm/auto, ``None`` with a WARNING when the
     user's choice is refused (mnnvl, cutedsl, no P2P, multi-node). Upstream's enforce-disable
-    pass runs after it and still wins. Other GPUs get upstream's answer. The pass list
-    ``POST_PROCESS_PASSES`` holds the function object, so its entry is swapped for the wrapper.
+    pass runs after it and still wins. Other GPUs get upstream's answer. The pass is run by
+    ``model_hook.handle_model_specific_adjustments`` through its ``from overrides import``
+    copy, which the hook registry rebinds; ``is_applied`` checks that copy.
 Upstream: sgl-project/sglang PR #32330 (closed: asks for opt-in or TP gating at TP4/TP8).
 Removal: when upstream's auto-enable covers SM12x with TP/topology gating.
 """
@@ -25,11 +26,12 @@ from sglang_sm120.runtime import log_once, plan_for_view
 
 MODULE = "sglang.srt.arg_groups.overrides"
 TARGET = f"{MODULE}._flashinfer_allreduce_fusion_auto_enable"
-PASSES = f"{MODULE}.POST_PROCESS_PASSES"
+CALLER = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
+CALLER_COPY = "sglang.srt.arg_groups.model_hook._flashinfer_allreduce_fusion_auto_enable"
 FIELD = "flashinfer_allreduce_fusion_backend"
 CONTRACT = (
     Symbol(TARGET, "function", params=("view",)),
-    Symbol(PASSES, "attribute", type_name="list"),
+    Symbol(CALLER, "function", reads=("_flashinfer_allreduce_fusion_auto_enable",)),
     Symbol(f"{MODULE}._FLASHINFER_ALLREDUCE_FUSION_ARCHS", "attribute", type_name="frozenset"),
     Symbol(
         "sglang.srt.arg_groups.model_override_base.model_config_of",
@@ -61,17 +63,10 @@ def fusion_backend_from_plan(original, view: Any) -> dict:
     return {**declared, FIELD: plan.fusion_backend}
 
 
-def after_apply() -> None:
-    """Point the pass list at the wrapper that the hook registry installed."""
-    passes = resolve(PASSES)
-    wrapped = resolve(TARGET)
-    original = getattr(wrapped, "__wrapped__", None)
-    passes[:] = [wrapped if fn is original else fn for fn in passes]
-
-
 def is_applied() -> bool:
+    """The caller's copy must be the wrapper too: that copy is what runs."""
     wrapped = resolve(TARGET)
-    return hasattr(wrapped, "__wrapped__") and wrapped in resolve(PASSES)
+    return hasattr(wrapped, "__wrapped__") and resolve(CALLER_COPY) is wrapped
 
 
 HOOKS = ((TARGET, fusion_backend_from_plan, HookType.AROUND),)
