@@ -29,8 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sm120.facts import HostFacts, describe_gpus
+from sglang_sm120.tuning import TuningTable, excluded, winners
 
 PCIE_IPC_WORLD_SIZES = (2, 4, 8)
+SM120_PCIE_WORLD_SIZES = (2, 4, 8)
+SM120_PCIE_DTYPES = ("bfloat16", "float16")
+PLUGIN_BACKEND_ENV = "SGLANG_SM120_FUSION_BACKEND"
+PLUGIN_BACKEND_CHOICES = ("auto", "off", "trtllm", "sm120_pcie")
 FUSION_AUTO_TP_SIZES = (2,)
 FUSION_BACKENDS_RUNNABLE_ON_SM12X = ("auto", "trtllm")
 
@@ -49,6 +54,9 @@ class Deployment:
     enforce_disable_fusion: bool = False
     pcie_ipc_env: bool | None = None
     deterministic: bool = False
+    plugin_backend: str | None = None
+    tuning: TuningTable | None = None
+    tuning_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,17 @@ class AllReducePlan:
     fusion_backend: str | None
     plain_allreduce: str
     reasons: tuple[str, ...] = field(default=())
+    routes: tuple[tuple[int, str], ...] = field(default=())
+
+    def uses_sm120_pcie_at(self, tokens: int) -> bool:
+        """Whether the sm120_pcie fused kernel serves ``tokens`` rows: everywhere when chosen
+        without a table; with a table, where the nearest measured size at or above won."""
+        if self.fusion_backend != "sm120_pcie":
+            return False
+        if not self.routes:
+            return True
+        bucket = next((b for t, b in self.routes if t >= tokens), None)
+        return bucket == "sm120_pcie"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -76,6 +95,7 @@ class AllReducePlan:
             "fusion_backend": self.fusion_backend,
             "plain_allreduce": self.plain_allreduce,
             "reasons": list(self.reasons),
+            "routes": {str(tokens): backend for tokens, backend in self.routes},
         }
 
     def summary(self) -> str:
@@ -122,50 +142,125 @@ def hardware_capability(facts: HostFacts, tp_size: int | None = None) -> Capabil
     )
 
 
-def _plan_fusion(
-    cap: Capability, facts: HostFacts, d: Deployment, fusion_archs: Collection[str]
-) -> tuple[str | None, str]:
-    flag = d.fusion_backend_flag
+def _fusion_blocker(
+    cap: Capability, facts: HostFacts, d: Deployment, archs: Collection[str]
+) -> str | None:
+    """Why no fused backend can serve this launch, or None."""
     if d.enforce_disable_fusion:
-        return None, "fusion off: --enforce-disable-flashinfer-allreduce-fusion"
+        return "fusion off: --enforce-disable-flashinfer-allreduce-fusion"
+    if d.plugin_backend == "off":
+        return f"fusion off: {PLUGIN_BACKEND_ENV}=off"
     if d.tp_size <= 1:
-        return None, "fusion off: tp=1 has no all-reduce"
-    if d.model_arch is None:
-        return None, "fusion not planned: model architecture unknown (pass --model-arch)"
-    if d.model_arch not in fusion_archs:
-        return None, f"fusion off: upstream has no fused all-reduce path for {d.model_arch}"
+        return "fusion off: tp=1 has no all-reduce"
+    if d.model_arch is None and d.fusion_backend_flag is None:
+        return "fusion not planned: model architecture unknown (pass --model-arch)"
+    if d.model_arch is not None and d.model_arch not in archs:
+        return f"fusion off: upstream has no fused all-reduce path for {d.model_arch}"
     if d.nnodes > 1 or facts.nnodes > 1:
-        return None, "fusion off: the trtllm fused kernel is single-node only"
+        return "fusion off: the fused kernels are single-node only"
     if d.attention_dp:
-        return None, "fusion off: attention data-parallelism"
+        return "fusion off: attention data-parallelism"
     if d.moe_a2a_backend != "none":
-        return None, f"fusion off: MoE all-to-all backend {d.moe_a2a_backend}"
+        return f"fusion off: MoE all-to-all backend {d.moe_a2a_backend}"
     if not cap.fusion_capable:
-        refused = f" (requested {flag} refused)" if flag else ""
-        return None, f"fusion off{refused}: {cap.reasons[0]}"
-    if flag is not None:
-        if flag not in FUSION_BACKENDS_RUNNABLE_ON_SM12X:
-            return None, (
-                f"fusion off: backend {flag} refused on SM12x (mnnvl needs an NVLink fabric, "
-                "cutedsl needs SM100); use trtllm"
-            )
+        requested = d.fusion_backend_flag or d.plugin_backend
+        refused = f" (requested {requested} refused)" if requested else ""
+        return f"fusion off{refused}: {cap.reasons[0]}"
+    return None
+
+
+def _sm120_pcie_blocker(facts: HostFacts, d: Deployment) -> str | None:
+    """Why sgl-kernel-sm120's fused kernel cannot serve this launch, or None."""
+    if facts.versions.get("sgl-kernel-sm120") is None:
+        return "sgl-kernel-sm120 is not installed (pip install 'sglang-sm120[kernels]')"
+    if d.tp_size not in SM120_PCIE_WORLD_SIZES:
+        return f"sgl-kernel-sm120 serves TP 2/4/8, not {d.tp_size}"
+    if d.dtype is not None and d.dtype not in SM120_PCIE_DTYPES:
+        return f"sgl-kernel-sm120 serves bf16/fp16, model dtype is {d.dtype}"
+    return None
+
+
+def _from_tuning(
+    table: TuningTable, facts: HostFacts, d: Deployment
+) -> tuple[str | None, str, tuple]:
+    best = winners(table)
+    bad = excluded(table)
+    note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
+    routes = tuple(best.items())
+    if "sm120_pcie" in best.values() and _sm120_pcie_blocker(facts, d) is None:
+        served = [t for t, b in routes if b == "sm120_pcie"]
         return (
-            "trtllm",
-            f"fusion trtllm: requested with --flashinfer-allreduce-fusion-backend {flag}",
+            "sm120_pcie",
+            (f"fusion sm120_pcie: fastest correct in the tuning table at {served} tokens{note}"),
+            routes,
         )
+    if best and set(best.values()) == {"trtllm"}:
+        return "trtllm", f"fusion trtllm: fastest correct at every measured size{note}", routes
+    return (
+        None,
+        f"fusion off: the tuning table found unfused all-reduce + norm fastest{note}",
+        routes,
+    )
+
+
+def _plan_fusion(
+    cap: Capability, facts: HostFacts, d: Deployment, archs: Collection[str]
+) -> tuple[str | None, str, tuple]:
+    """(fusion backend, reason, per-token-count routes from a tuning table)."""
+    blocker = _fusion_blocker(cap, facts, d, archs)
+    requested = d.fusion_backend_flag or d.plugin_backend
+    if blocker is not None:
+        return None, blocker, ()
+    if requested == "sm120_pcie":
+        why_not = _sm120_pcie_blocker(facts, d)
+        if why_not is not None:
+            return None, f"fusion off (requested sm120_pcie refused): {why_not}", ()
+        return (
+            "sm120_pcie",
+            "fusion sm120_pcie: requested; one fused kernel per point, staged for PCIe",
+            (),
+        )
+    if requested is not None:
+        if requested not in FUSION_BACKENDS_RUNNABLE_ON_SM12X:
+            return (
+                None,
+                (
+                    f"fusion off: backend {requested} refused on SM12x (mnnvl needs an NVLink "
+                    "fabric, cutedsl needs SM100); use trtllm or sm120_pcie"
+                ),
+                (),
+            )
+        how = (
+            "--flashinfer-allreduce-fusion-backend" if d.fusion_backend_flag else PLUGIN_BACKEND_ENV
+        )
+        return "trtllm", f"fusion trtllm: requested with {how} {requested}", ()
+    if d.tuning is not None:
+        return _from_tuning(d.tuning, facts, d)
+    tuning_note = f"; {d.tuning_note}" if d.tuning_note else ""
     if d.tp_size in FUSION_AUTO_TP_SIZES:
         return (
             "trtllm",
-            "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)",
+            "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)"
+            + tuning_note,
+            (),
         )
     if facts.has_nvlink:
-        return None, (
-            f"fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
-            "(opt in with --flashinfer-allreduce-fusion-backend trtllm)"
+        return (
+            None,
+            (
+                f"fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
+                "(opt in with --flashinfer-allreduce-fusion-backend trtllm)" + tuning_note
+            ),
+            (),
         )
-    return None, (
-        f"fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 regressed TP4 "
-        "(opt in with --flashinfer-allreduce-fusion-backend trtllm)"
+    return (
+        None,
+        (
+            f"fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 regressed TP4 "
+            "(opt in with --flashinfer-allreduce-fusion-backend trtllm or "
+            f"{PLUGIN_BACKEND_ENV}=sm120_pcie)" + tuning_note
+        ),
+        (),
     )
 
 
@@ -192,6 +287,11 @@ def _plan_plain(
             "nccl",
             "plain all-reduce NCCL: deterministic inference (PCIe-IPC picks tactics per shape)",
         )
+    if fusion == "sm120_pcie":
+        return "sm120_pcie", (
+            "plain all-reduce sgl-kernel-sm120 up to its workspace "
+            "(max_bs x draft tokens x hidden); larger ones: NCCL"
+        )
     if d.dtype is not None and d.dtype != "bfloat16":
         return "nccl", f"plain all-reduce NCCL: PCIe-IPC serves bf16 only, model dtype is {d.dtype}"
     ahead = ", ahead of the fused backend's all-to-all kernel" if fusion else ""
@@ -212,6 +312,6 @@ def plan_allreduce(
         tp = deployment.tp_size
         reason = f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
         return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
-    fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
+    fusion, fusion_reason, routes = _plan_fusion(cap, facts, deployment, fusion_archs)
     plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)
-    return AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason))
+    return AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason), routes)

@@ -50,6 +50,9 @@ def main() -> None:
         from sglang.srt.server_args import ServerArgs
         from sglang_sm120.runtime import PATCH_STATUS
 
+        # An import-time hardware fact the CPU box cannot fake through override_platform
+        # (add_norm probes flashinfer+CUDA directly): what a CUDA host with flashinfer has.
+        add_norm._is_flashinfer_available = True
         extra = json.loads(os.environ.get("SCENARIO_SERVER_ARGS", "{}"))
         result: dict = {
             "patches": dict(PATCH_STATUS),
@@ -57,14 +60,16 @@ def main() -> None:
             "resolve": {},
             "pcie_ipc_eligible": {},
             "flashinfer_allreduce_only": {},
+            "ar_fusion_applies": {},
         }
         for tp in tps:
             args = ServerArgs(model_path=model_dir, tp_size=tp, device="cuda", **extra)
             args.resolve_once()
-            result["fusion_backend"][tp] = args.resolved_dict()[
-                "flashinfer_allreduce_fusion_backend"
-            ]
-            with get_context().override_server_args(tp_size=tp, **extra):
+            backend = args.resolved_dict()["flashinfer_allreduce_fusion_backend"]
+            result["fusion_backend"][tp] = backend
+            published = {**extra, "flashinfer_allreduce_fusion_backend": backend}
+            with get_context().override_server_args(tp_size=tp, **published):
+                result["ar_fusion_applies"][tp] = add_norm.flashinfer_ar_fusion_applies(4)
                 result["pcie_ipc_eligible"][tp] = pcie_ipc_ar.eligible_group(
                     group_name="tp", world_size=tp, deterministic=False
                 )
@@ -72,7 +77,7 @@ def main() -> None:
                 result["flashinfer_allreduce_only"][tp] = (
                     parallel_state._ENABLE_FLASHINFER_ALLREDUCE_ONLY
                 )
-        for backend in ("auto", "trtllm", "mnnvl"):
+        for backend in ("auto", "trtllm", "mnnvl", "sm120_pcie"):
             try:
                 result["resolve"][backend] = flashinfer_comm_fusion._resolve_backend(backend, False)
             except ValueError as exc:

@@ -100,6 +100,7 @@ def test_pcie_x8_profile_gets_planned_backends(model_dirs, arch):
     }
     assert result["patches"]["graph_stats"] == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert result["fusion_backend"] == {"2": "trtllm", "4": None, "8": None}
+    assert result["ar_fusion_applies"] == {"2": True, "4": False, "8": False}
     assert result["pcie_ipc_eligible"] == {"2": True, "4": True, "8": True}
     assert result["flashinfer_allreduce_only"] == {"2": False, "4": False, "8": False}
     assert result["resolve"]["auto"] == "trtllm" and result["resolve"]["trtllm"] == "trtllm"
@@ -174,6 +175,7 @@ def test_kill_switch_loads_but_applies_nothing(model_dirs):
     result = run_scenario(model_dirs["DeepseekV3ForCausalLM"], 2, env={"SGLANG_SM120_DISABLE": "1"})
     assert result["patches"] == {name: "disabled (SGLANG_SM120_DISABLE=1)" for name in ALL_PATCHES}
     assert result["fusion_backend"] == {"2": None}
+    assert result["ar_fusion_applies"] == {"2": False}
     assert result["resolve"]["trtllm"].startswith(
         "ValueError: FlashInfer allreduce fusion requires"
     )
@@ -185,3 +187,33 @@ def test_stats_instrumentation_applies_on_request(model_dirs, tmp_path):
         model_dirs["DeepseekV3ForCausalLM"], 2, env={"SGLANG_SM120_STATS_DIR": str(tmp_path)}
     )
     assert result["patches"]["graph_stats"] == "applied"
+
+
+def test_sm120_pcie_backend_is_chosen_through_upstream_code_paths(model_dirs):
+    """SGLANG_SM120_FUSION_BACKEND=sm120_pcie: resolution, backend resolve and the per-call gate
+    all go through upstream's code; plain all-reduces stay routed to the (our) fused backend."""
+    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        2,
+        8,
+        env={"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie"},
+    )
+    assert result["patches"]["sm120_pcie_backend"] == "applied"
+    assert result["fusion_backend"] == {"2": "sm120_pcie", "8": "sm120_pcie"}
+    assert result["resolve"]["sm120_pcie"] == "sm120_pcie"
+    assert result["ar_fusion_applies"] == {"2": True, "8": True}
+    assert result["flashinfer_allreduce_only"] == {"2": True, "8": True}
+    assert result["pcie_ipc_eligible"] == {"2": False, "8": False}
+    assert "fusion=sm120_pcie, plain all-reduce=sm120_pcie" in result["log"]
+
+
+def test_sm120_pcie_refused_without_p2p(model_dirs):
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        2,
+        profile="rtx-5090-x2-nop2p",
+        env={"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie"},
+    )
+    assert result["fusion_backend"] == {"2": None}
+    assert result["patches"]["sm120_pcie_backend"].startswith("not needed (no P2P")

@@ -179,3 +179,172 @@ def test_capability_without_gpus_says_so():
 def test_capability_lists_missing_pairs():
     cap = hardware_capability(one_pair_missing())
     assert cap.sm12x and not cap.fusion_capable and "2-6" in cap.reasons[0]
+
+
+# --- sgl-kernel-sm120 backend and tuning tables ------------------------------------------------
+
+WITH_KERNEL = dataclasses.replace(
+    PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": "0.5.23.1"}
+)
+WITHOUT_KERNEL = dataclasses.replace(PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": None})
+
+
+def table(rows, fingerprint=None):
+    from sglang_sm120.tuning import Measurement, TuningTable
+
+    ms = tuple(Measurement(b, t, us, ok) for b, t, us, ok in rows)
+    return TuningTable(
+        fingerprint=fingerprint or {}, tp=8, hidden=7168, dtype="bfloat16", measurements=ms
+    )
+
+
+SM120_WINS_SMALL = table(
+    [
+        ("nccl", 4, 200.0, True),
+        ("sm120_pcie", 4, 9.0, True),
+        ("trtllm", 4, 30.0, True),
+        ("nccl", 64, 300.0, True),
+        ("sm120_pcie", 64, 20.0, True),
+        ("nccl", 2048, 900.0, True),
+        ("sm120_pcie", 2048, 1500.0, True),
+    ]
+)
+SM120_WRONG = table(
+    [("nccl", 4, 200.0, True), ("sm120_pcie", 4, 5.0, False), ("pcie_ipc", 4, 8.0, True)]
+)
+TRTLLM_EVERYWHERE = table(
+    [
+        ("trtllm", 4, 10.0, True),
+        ("nccl", 4, 200.0, True),
+        ("trtllm", 64, 20.0, True),
+        ("sm120_pcie", 64, 25.0, True),
+    ]
+)
+
+BACKEND_ROWS = [
+    (
+        "env sm120_pcie",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, plugin_backend="sm120_pcie"),
+        "sm120_pcie",
+        "sm120_pcie",
+    ),
+    (
+        "env sm120_pcie without the kernel package",
+        WITHOUT_KERNEL,
+        D(8, model_arch=KIMI, plugin_backend="sm120_pcie"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "env sm120_pcie at tp6",
+        WITH_KERNEL,
+        D(6, model_arch=KIMI, plugin_backend="sm120_pcie"),
+        None,
+        "nccl",
+    ),
+    (
+        "env sm120_pcie fp32 model",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, dtype="float32", plugin_backend="sm120_pcie"),
+        None,
+        "nccl",
+    ),
+    (
+        "env off beats tp2 auto",
+        WITH_KERNEL,
+        D(2, model_arch=KIMI, plugin_backend="off"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "env trtllm",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, plugin_backend="trtllm"),
+        "trtllm",
+        "pcie_ipc",
+    ),
+    (
+        "flag beats env",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, fusion_backend_flag="trtllm", plugin_backend="sm120_pcie"),
+        "trtllm",
+        "pcie_ipc",
+    ),
+    (
+        "enforce-disable beats env",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, enforce_disable_fusion=True, plugin_backend="sm120_pcie"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "worker: resolved sm120_pcie, arch unknown",
+        WITH_KERNEL,
+        D(8, fusion_backend_flag="sm120_pcie"),
+        "sm120_pcie",
+        "sm120_pcie",
+    ),
+    (
+        "table: sm120_pcie wins small sizes",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, tuning=SM120_WINS_SMALL),
+        "sm120_pcie",
+        "sm120_pcie",
+    ),
+    (
+        "table: sm120_pcie measured wrong is excluded",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, tuning=SM120_WRONG),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "table: trtllm wins every size",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, tuning=TRTLLM_EVERYWHERE),
+        "trtllm",
+        "pcie_ipc",
+    ),
+    (
+        "table ignored when the user chose",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, tuning=SM120_WINS_SMALL, enforce_disable_fusion=True),
+        None,
+        "pcie_ipc",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("facts", "deployment", "fusion", "plain"),
+    [r[1:] for r in BACKEND_ROWS],
+    ids=[r[0] for r in BACKEND_ROWS],
+)
+def test_backend_and_tuning_table(facts, deployment, fusion, plain):
+    plan = plan_allreduce(facts, deployment, ARCHS)
+    assert (plan.fusion_backend, plan.plain_allreduce) == (fusion, plain), plan.reasons
+
+
+def test_table_routes_sm120_pcie_only_where_it_won():
+    plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=SM120_WINS_SMALL), ARCHS)
+    assert [plan.uses_sm120_pcie_at(n) for n in (1, 4, 5, 64, 65, 2048, 4096)] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert plan.to_json()["routes"] == {"4": "sm120_pcie", "64": "sm120_pcie", "2048": "nccl"}
+
+
+def test_wrong_backend_is_named_in_the_reasons():
+    plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=SM120_WRONG), ARCHS)
+    assert any("sm120_pcie (wrong at 4 tokens)" in r for r in plan.reasons)
+
+
+def test_requested_sm120_pcie_serves_every_size_its_workspace_takes():
+    plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, plugin_backend="sm120_pcie"), ARCHS)
+    assert plan.uses_sm120_pcie_at(1) and plan.uses_sm120_pcie_at(2048)

@@ -8,6 +8,7 @@
 | workspace_preflight  | trtllm workspace sizing (multicast query)    | preflight passes on PCIe   |
 | pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
 | allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
+| sm120_pcie_backend   | FlashInfer fusion entry points, graph replay | fused points -> our kernel |
 | graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
 
 A patch module provides ``CONTRACT`` (the upstream symbols it touches), ``HOOKS`` (hook-registry
@@ -21,6 +22,7 @@ from sglang_sm120.patches import (
     graph_stats,
     pcie_ipc_enable,
     resolve_backend,
+    sm120_pcie_backend,
     workspace_preflight,
 )
 
@@ -31,6 +33,7 @@ PATCHES = (
     workspace_preflight,
     pcie_ipc_enable,
     allreduce_precedence,
+    sm120_pcie_backend,
     graph_stats,
 )
 

@@ -4,9 +4,10 @@ Why: ``flashinfer_comm_fusion._resolve_backend`` raises ValueError unless the GP
     SM100, and nothing catches it on the warmup path: forcing
     ``--flashinfer-allreduce-fusion-backend trtllm`` on SM120 crashes the server in warmup,
     although FlashInfer's trtllm kernel is compiled for SM12x.
-How: AROUND hook. On SM12x hosts whose GPUs all have P2P, ``auto`` and ``trtllm`` resolve to
-    ``trtllm`` on a single node; ``mnnvl``/``cutedsl``, multi-node, or missing P2P raise a
-    ValueError that says why (the server-args patch normally refuses these before warmup).
+How: AROUND hook. On SM12x hosts whose GPUs all have P2P, on a single node, ``auto`` and
+    ``trtllm`` resolve to ``trtllm`` and ``sm120_pcie`` (this distribution's backend) to itself;
+    ``mnnvl``/``cutedsl``, multi-node, or missing P2P raise a ValueError that says why (the
+    server-args patch normally refuses these before warmup).
     Other GPUs go to the original unchanged.
 Upstream: sgl-project/sglang PR #32330 (SM12x enablement, closed after a TP4 regression);
     FlashInfer PR #3903 (SM120 TP2 measurements).
@@ -33,10 +34,13 @@ def resolve_backend_on_sm12x(original, backend: str, is_multi_node: bool = False
     cap = load_capability()
     if not cap.sm12x:
         return original(backend, is_multi_node)
+    if backend == "sm120_pcie" and cap.fusion_capable and not is_multi_node:
+        return backend
     if backend not in FUSION_BACKENDS_RUNNABLE_ON_SM12X:
         raise ValueError(
             f"sglang-sm120: FlashInfer allreduce fusion backend {backend!r} cannot run on SM12x "
-            "(mnnvl needs an NVLink fabric, cutedsl needs SM100); use trtllm or leave it unset"
+            "(mnnvl needs an NVLink fabric, cutedsl needs SM100); use trtllm, sm120_pcie or "
+            "leave it unset"
         )
     if is_multi_node:
         raise ValueError("sglang-sm120: the trtllm fused all-reduce on SM12x is single-node only")

@@ -1,0 +1,157 @@
+"""Tuning tables: which all-reduce backend is fastest, and correct, on this host, per token count.
+
+``sglang-sm120 tune`` measures and writes one table per (host fingerprint, tp, hidden, dtype)
+under the cache directory; the policy reads it. A table whose fingerprint does not match the
+host (other GPUs, topology, driver or package versions) is stale and ignored, with the reason.
+
+Backends, as measured (each is one all-reduce + residual add + RMSNorm point of a layer):
+
+    nccl          NCCL all-reduce, then a separate add + RMSNorm
+    pcie_ipc      FlashInfer PCIe-IPC all-reduce, then a separate add + RMSNorm
+    trtllm        FlashInfer allreduce_fusion (trtllm, one-shot/two-shot as it picks)
+    sm120_pcie    sgl-kernel-sm120 fused all-reduce + add + RMSNorm (one kernel)
+
+Example::
+
+    table = TuningTable.from_json(json.loads(path.read_text()))
+    winners(table)   # {1: 'sm120_pcie', 2: 'sm120_pcie', ..., 2048: 'nccl'}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_sm120.facts import HostFacts
+
+CACHE_ENV = "SGLANG_SM120_CACHE_DIR"
+FUSED_BACKENDS = ("trtllm", "sm120_pcie")
+TABLE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One backend at one token count: its time (None when it could not run) and whether its
+    result matched the float32 reference."""
+
+    backend: str
+    tokens: int
+    us: float | None
+    correct: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TuningTable:
+    fingerprint: dict[str, Any]
+    tp: int
+    hidden: int
+    dtype: str
+    measurements: tuple[Measurement, ...]
+    created: str = ""
+    ranks_share_gpu: bool = False
+    version: int = TABLE_VERSION
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fingerprint_id"] = fingerprint_id(self.fingerprint)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TuningTable:
+        return cls(
+            fingerprint=data["fingerprint"],
+            tp=int(data["tp"]),
+            hidden=int(data["hidden"]),
+            dtype=str(data["dtype"]),
+            measurements=tuple(Measurement(**m) for m in data["measurements"]),
+            created=data.get("created", ""),
+            ranks_share_gpu=bool(data.get("ranks_share_gpu", False)),
+            version=int(data.get("version", 0)),
+            notes=tuple(data.get("notes", ())),
+        )
+
+
+def host_fingerprint(facts: HostFacts, tp: int) -> dict[str, Any]:
+    """What makes measurements transferable: the TP GPUs, their links, driver and versions."""
+    gpus = facts.gpu_subset(tp)
+    indices = [g.index for g in gpus]
+    return {
+        "gpus": [[g.name, g.sm] for g in gpus],
+        "p2p": [[facts.p2p[a][b] for b in indices] for a in indices],
+        "numa": [g.numa_node for g in gpus],
+        "nvlink": facts.has_nvlink,
+        "driver": facts.driver_version,
+        "versions": {k: v for k, v in sorted(facts.versions.items()) if k != "nvidia-cuda-runtime"},
+    }
+
+
+def fingerprint_id(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sglang-sm120")
+
+
+def table_path(fingerprint: dict[str, Any], tp: int, hidden: int, dtype: str) -> Path:
+    name = f"allreduce-{fingerprint_id(fingerprint)}-tp{tp}-h{hidden}-{dtype}.json"
+    return cache_dir() / name
+
+
+def save_table(table: TuningTable) -> Path:
+    path = table_path(table.fingerprint, table.tp, table.hidden, table.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_table(
+    facts: HostFacts, tp: int, hidden: int, dtype: str
+) -> tuple[TuningTable | None, str]:
+    """The table for this host and shape, or None with the reason (missing, stale, unreadable)."""
+    fingerprint = host_fingerprint(facts, tp)
+    path = table_path(fingerprint, tp, hidden, dtype)
+    if not path.exists():
+        others = sorted(cache_dir().glob(f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json"))
+        if others:
+            return None, f"tuning table stale: {len(others)} table(s) for other hosts or versions"
+        return None, f"no tuning table ({path.name}); run `sglang-sm120 tune --tp {tp}`"
+    try:
+        table = TuningTable.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"tuning table {path} unreadable: {exc}"
+    if table.version != TABLE_VERSION or table.fingerprint != fingerprint:
+        return None, f"tuning table {path.name} stale: written for another host or version"
+    if table.ranks_share_gpu:
+        return None, f"tuning table {path.name} measured with ranks sharing one GPU: not used"
+    return table, f"tuning table {path.name}"
+
+
+def winners(table: TuningTable) -> dict[int, str]:
+    """Per measured token count, the fastest backend whose result was correct."""
+    best: dict[int, Measurement] = {}
+    for m in table.measurements:
+        if not m.correct or m.us is None:
+            continue
+        if m.tokens not in best or m.us < best[m.tokens].us:
+            best[m.tokens] = m
+    return {tokens: best[tokens].backend for tokens in sorted(best)}
+
+
+def excluded(table: TuningTable) -> list[str]:
+    """Backends measured wrong on this host, with where: they are never chosen."""
+    return sorted(
+        {
+            f"{m.backend} (wrong at {m.tokens} tokens)"
+            for m in table.measurements
+            if m.us is not None and not m.correct
+        }
+    )
