@@ -1,4 +1,4 @@
-"""Tuning tables on disk, keyed by host fingerprint; missing, stale or shared-GPU ones are unused."""
+"""Tuning tables on disk, keyed by host fingerprint; missing, stale or shared-GPU ones unused."""
 
 from __future__ import annotations
 
