@@ -20,7 +20,13 @@ from typing import Any
 
 from sglang_sm120 import SGLANG_PIN, __version__
 from sglang_sm120.facts import HostFacts, current_facts, facts_from_spec, profile_names
-from sglang_sm120.policy import AllReducePlan, Deployment, plan_allreduce
+from sglang_sm120.policy import (
+    PLUGIN_BACKEND_CHOICES,
+    PLUGIN_BACKEND_ENV,
+    AllReducePlan,
+    Deployment,
+    plan_allreduce,
+)
 
 
 def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> None:
@@ -34,12 +40,19 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
         "--fusion-backend", help="as --flashinfer-allreduce-fusion-backend (auto, trtllm, ...)"
     )
     parser.add_argument("--enforce-disable-fusion", action="store_true")
+    parser.add_argument(
+        "--plugin-backend",
+        choices=PLUGIN_BACKEND_CHOICES,
+        help=f"as {PLUGIN_BACKEND_ENV} (default: that variable)",
+    )
+    parser.add_argument("--hidden", type=int, default=7168, help="model hidden size (tuning table)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
-    from sglang_sm120.runtime import pcie_ipc_env
+    from sglang_sm120.runtime import pcie_ipc_env, plugin_backend
 
+    chosen = args.plugin_backend or plugin_backend()
     return Deployment(
         tp_size=tp_size,
         nnodes=args.nnodes,
@@ -50,13 +63,20 @@ def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
         fusion_backend_flag=args.fusion_backend,
         enforce_disable_fusion=args.enforce_disable_fusion,
         pcie_ipc_env=pcie_ipc_env(),
+        plugin_backend=None if chosen == "auto" else chosen,
     )
 
 
-def _plan(facts: HostFacts, args: argparse.Namespace, tp_size: int) -> AllReducePlan:
-    from sglang_sm120.runtime import fusion_archs
+def _plan(
+    facts: HostFacts, args: argparse.Namespace, tp_size: int, local_tuning: bool = False
+) -> AllReducePlan:
+    """The plan; ``local_tuning`` adds this host's tuning table (doctor, not planning)."""
+    from sglang_sm120.runtime import fusion_archs, with_tuning
 
-    return plan_allreduce(facts, _deployment(args, tp_size), fusion_archs())
+    deployment = _deployment(args, tp_size)
+    if local_tuning:
+        deployment = with_tuning(deployment, args.hidden, args.dtype)
+    return plan_allreduce(facts, deployment, fusion_archs())
 
 
 def _facts_lines(facts: HostFacts) -> list[str]:
@@ -87,6 +107,9 @@ def _plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
         f"plain_allreduce={plan.plain_allreduce}  managed={plan.managed}"
     ]
     lines += [f"  - {reason}" for reason in plan.reasons]
+    if plan.routes:
+        lines.append("  tuned routes (tokens <= N -> fastest correct backend):")
+        lines += [f"    {tokens:>5} -> {backend}" for tokens, backend in plan.routes]
     return lines
 
 
@@ -178,7 +201,7 @@ def _coverage_lines(report: dict[str, Any]) -> list[str]:
 def cmd_doctor(args: argparse.Namespace) -> int:
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
-    plan = _plan(facts, args, tp_size)
+    plan = _plan(facts, args, tp_size, local_tuning=True)
     state = _plugin_state()
     capability = (
         _parse_capability(args.capability)

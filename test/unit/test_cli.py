@@ -118,3 +118,35 @@ def test_warmup_dry_run_lists_its_steps_and_builds_nothing():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4 and all("skipped: dry run" in line for line in lines[:3])
+
+
+def test_doctor_shows_the_tuning_table_in_use_and_its_routes(tmp_path, monkeypatch):
+    from sglang_sm120.facts import load_profile
+    from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
+    ms = (
+        Measurement("sm120_pcie", 16, 9.0, True),
+        Measurement("nccl", 16, 210.0, True),
+        Measurement("sm120_pcie", 2048, 900.0, True),
+        Measurement("nccl", 2048, 700.0, True),
+    )
+    fingerprint = host_fingerprint(load_profile("rtx-pro-6000-x8-pcie"), 8)
+    save_table(TuningTable(fingerprint, 8, 7168, "bfloat16", ms))
+    env = {"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie", "SGLANG_SM120_CACHE_DIR": str(tmp_path)}
+    proc = run_cli("doctor", "--json", "--tp", "8", "--model-arch", KIMI, env=env)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)["plan"]
+    assert plan["fusion_backend"] == "sm120_pcie" and plan["routes"] == {
+        "16": "sm120_pcie",
+        "2048": "nccl",
+    }
+    text = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env).stdout
+    assert "16 -> sm120_pcie" in text and "2048 -> nccl" in text
+
+
+def test_doctor_says_when_there_is_no_tuning_table(tmp_path):
+    env = {"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie", "SGLANG_SM120_CACHE_DIR": str(tmp_path)}
+    proc = run_cli("doctor", "--json", "--tp", "8", "--model-arch", KIMI, env=env)
+    reasons = json.loads(proc.stdout)["plan"]["reasons"]
+    assert any("no tuning table" in r and "sglang-sm120 tune --tp 8" in r for r in reasons)
