@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import os
@@ -49,10 +50,13 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     for row in text_rows:
         if len(row) != len(headers):
             raise ValueError(f"row has {len(row)} cells, table has {len(headers)} columns: {row}")
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in text_rows]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in text_rows
+    ]
     return "\n".join(lines)
 
 
@@ -122,48 +126,100 @@ class LatencyPoint:
 
 
 def latency_us(points: Sequence[LatencyPoint], nbytes: int) -> float:
-    """Latency at ``nbytes``, interpolated log-log between the nearest points.
+    """Latency at ``nbytes``: log-log interpolation between the nearest measured sizes.
 
-    Outside the measured range the end segment is extended (a single point is used as a
-    constant): modelled numbers are labelled as such by callers, so a coarse estimate is fine.
+    Below the smallest size the smallest size's latency is used (small messages are latency
+    bound, they do not get faster); above the largest, the last segment's slope is extended
+    (bandwidth bound). Callers label such numbers as modelled.
     """
     if not points:
         raise ValueError("latency table is empty")
-    pts = sorted(points, key=lambda p: p.nbytes)
-    if len(pts) == 1:
-        return pts[0].us
     if nbytes <= 0:
         raise ValueError(f"message size must be positive, got {nbytes} bytes")
-    lo, hi = pts[0], pts[1]
-    for a, b in zip(pts, pts[1:]):
-        lo, hi = a, b
+    pts = sorted(points, key=lambda p: p.nbytes)
+    if len(pts) == 1 or nbytes <= pts[0].nbytes:
+        return pts[0].us
+    lo, hi = pts[-2], pts[-1]
+    for a, b in itertools.pairwise(pts):
         if nbytes <= b.nbytes:
+            lo, hi = a, b
             break
     slope = math.log(hi.us / lo.us) / math.log(hi.nbytes / lo.nbytes)
     return lo.us * math.exp(slope * math.log(nbytes / lo.nbytes))
 
 
+@dataclass(frozen=True)
+class LatencyTable:
+    """Per-call latency of one all-reduce backend at one world size, by message size.
+
+    ``includes_norm``: the call also does the residual add + RMSNorm (a fused kernel, or a
+    measurement of all-reduce followed by the norm), so it replaces the norm rather than adds.
+    """
+
+    points: tuple[LatencyPoint, ...]
+    includes_norm: bool
+    source: str
+
+    def us(self, nbytes: int) -> float:
+        return latency_us(self.points, nbytes)
+
+
+# Columns of benchmark/bench_allreduce.py's JSON rows, and whether each includes add + RMSNorm.
+BENCH_ALLREDUCE_COLUMNS = {
+    "ours_plain": False,
+    "ours_fused": True,
+    "ours_unfused": True,
+    "nccl_norm": True,
+    "fi_trtllm_fused": True,
+    "fi_pcie": False,
+}
+
+
 def load_allreduce_records(
     path: str | os.PathLike[str], world_size: int
-) -> dict[str, list[LatencyPoint]]:
-    """Read ``{"allreduce": [{"backend", "world_size", "bytes", "us"}, ...]}`` for one world size.
+) -> dict[str, LatencyTable]:
+    """All-reduce latency tables for one world size, from either JSON layout:
 
-    Returns backend name -> latency points. Raises ValueError naming what is missing, so a
-    table from another host or world size is not silently used.
+    - ``{"allreduce": [{"backend", "world_size", "bytes", "us", "includes_norm"?}, ...]}``;
+    - bench_allreduce.py's ``{"results": [{"world_size", "mode", "rows": [{"bytes",
+      "ours_fused": us, ...}]}]}``.
+
+    Raises ValueError naming what is missing, so a table of another world size is never used.
     """
     data = json.loads(Path(path).read_text())
-    records = data.get("allreduce")
-    if not isinstance(records, list):
-        raise ValueError(f"{path}: no 'allreduce' list of records")
-    table: dict[str, list[LatencyPoint]] = {}
-    for rec in records:
-        try:
-            if int(rec["world_size"]) != world_size:
+    name = Path(path).name
+    points: dict[str, list[LatencyPoint]] = {}
+    norm: dict[str, bool] = {}
+    sources: dict[str, str] = {}
+    if isinstance(data.get("allreduce"), list):
+        for rec in data["allreduce"]:
+            try:
+                if int(rec["world_size"]) != world_size:
+                    continue
+                backend = str(rec["backend"])
+                points.setdefault(backend, []).append(
+                    LatencyPoint(int(rec["bytes"]), float(rec["us"]))
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}: bad all-reduce record {rec!r}: {exc}") from exc
+            norm[backend] = bool(rec.get("includes_norm", False))
+            sources[backend] = name
+    elif isinstance(data.get("results"), list):
+        for result in data["results"]:
+            if result.get("world_size") != world_size:
                 continue
-            point = LatencyPoint(int(rec["bytes"]), float(rec["us"]))
-            table.setdefault(str(rec["backend"]), []).append(point)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: bad all-reduce record {rec!r}: {exc}") from exc
-    if not table:
-        raise ValueError(f"{path}: no all-reduce records for world_size={world_size}")
-    return table
+            for row in result.get("rows", []):
+                for column, includes_norm in BENCH_ALLREDUCE_COLUMNS.items():
+                    us = row.get(column)
+                    if isinstance(us, (int, float)):
+                        points.setdefault(column, []).append(LatencyPoint(int(row["bytes"]), us))
+                        norm[column] = includes_norm
+                        sources[column] = f"{name}: {result.get('mode', '?')}"
+    else:
+        raise ValueError(f"{path}: neither an 'allreduce' list nor bench_allreduce 'results'")
+    if not points:
+        raise ValueError(f"{path}: no all-reduce latencies for world_size={world_size}")
+    return {
+        backend: LatencyTable(tuple(pts), norm[backend], sources[backend])
+        for backend, pts in points.items()
+    }
