@@ -41,7 +41,7 @@ from .errors import CommTimeoutError, InputTooLargeError, LibraryError, Workspac
 from .ops import all_reduce, fused_allreduce_add_rmsnorm, validate_all_reduce, validate_fused
 from .workspace import CommWorkspace, get_workspace
 
-__version__ = "0.1.0"
+__version__ = "0.5.23.1"
 
 __all__ = [
     "MAX_HIDDEN",

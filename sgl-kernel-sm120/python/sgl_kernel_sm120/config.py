@@ -26,7 +26,7 @@ ELEMENT_BYTES = 2  # bf16 / fp16
 VECTOR_BYTES = 16  # the kernels move 16-byte vectors: sizes must be multiples of 8 elements
 DEFAULT_TIMEOUT_MS = 5000
 DEFAULT_BLOCK_BYTES = 4096
-DEFAULT_MAX_BLOCKS = 32
+DEFAULT_MAX_BLOCKS = 64  # one block per SM; the fused epilogue is bound by memory parallelism
 
 FLAGS_OFFSET = 0
 CONTROL_OFFSET = _lib.FLAG_WORDS * 4  # 8 KiB of flags

@@ -152,7 +152,9 @@ def _variant_code(variant: str | None) -> int:
     try:
         return _VARIANTS[variant]
     except KeyError:
-        raise ValueError(f"variant {variant!r} unknown: None (by size), 'oneshot', 'twoshot'") from None
+        raise ValueError(
+            f"variant {variant!r} unknown: None (by size), 'oneshot', 'twoshot'"
+        ) from None
 
 
 def all_reduce(inp: torch.Tensor, ws: CommWorkspace, *, variant: str | None = None) -> torch.Tensor:

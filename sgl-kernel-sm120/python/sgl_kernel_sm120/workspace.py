@@ -275,7 +275,9 @@ class CommWorkspace:
             code = _lib.lib().sk_ipc_open_handle(dev, handles[peer], ctypes.byref(ptr))
             if code != 0:
                 message = _lib.lib().sk_error_string(code).decode()
-                error = f"rank {rank} cannot map rank {peer}'s buffer: CUDA error {code} ({message})"
+                error = (
+                    f"rank {rank} cannot map rank {peer}'s buffer: CUDA error {code} ({message})"
+                )
                 break
             buffers[peer] = ptr.value
             opened.append(ptr.value)

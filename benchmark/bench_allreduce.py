@@ -1,0 +1,531 @@
+"""All-reduce and fused all-reduce + residual + RMSNorm latency, CUDA-graph timed.
+
+For each world size and tokens in {1, 2, ..., 2048} x hidden (default 7168), bf16:
+  ours plain       sgl_kernel_sm120.all_reduce
+  ours fused       sgl_kernel_sm120.fused_allreduce_add_rmsnorm (one kernel)
+  ours unfused     ours plain + a separate add+RMSNorm kernel (what the fusion saves)
+  nccl + norm      torch.distributed all_reduce (NCCL) + the same add+RMSNorm kernel
+  fi trtllm fused  FlashInfer allreduce_fusion(kARResidualRMSNorm), trtllm backend
+  fi pcie-ipc      FlashInfer PcieIpcAllReduceWorkspace.all_reduce (plain)
+Each cell is microseconds per call: every rank captures --calls identical calls in one CUDA
+graph, the graphs are replayed --replays times, and a cell is the median over replays of the
+per-call time of the rank that started last (see `_per_call_us`).
+
+Ranks run as one process per GPU when the machine has >= world_size GPUs. Otherwise they run
+as streams of one process sharing one GPU: then the numbers are the kernels' own overhead
+(synchronisation through L2, no interconnect), NCCL cannot run (it refuses two ranks on one
+GPU) and is reported as n/a.
+
+    python benchmark/bench_allreduce.py                    # all world sizes, all sizes
+    python benchmark/bench_allreduce.py --world-sizes 8 --tokens 1 16 128
+
+Writes bench_allreduce.json and bench_allreduce.png into --out-dir and prints a table.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Ranks sharing one process: a lazily loaded kernel would wait for the spinning ranks.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+try:
+    import sgl_kernel_sm120 as sk
+except ImportError:  # not installed: use the sources (library from $SGL_KERNEL_SM120_LIBRARY)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel-sm120" / "python"))
+    import sgl_kernel_sm120 as sk
+
+from sgl_kernel_sm120.testing import LocalRanks
+
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+EPS = 1e-6
+COLUMNS = ["ours_plain", "ours_fused", "ours_unfused", "nccl_norm", "fi_trtllm_fused", "fi_pcie"]
+HEADERS = {
+    "ours_plain": "ours AR",
+    "ours_fused": "ours fused",
+    "ours_unfused": "ours AR+norm",
+    "nccl_norm": "NCCL+norm",
+    "fi_trtllm_fused": "FI trtllm fused",
+    "fi_pcie": "FI pcie AR",
+}
+
+
+# ------------------------------------------------------------------ separate add + RMSNorm
+
+
+def _make_add_rmsnorm(hidden: int) -> tuple[Callable, str]:
+    """(fn(x, residual, weight) -> (norm, residual_out), description): one Triton kernel when
+    Triton works, else torch eager (several kernels). Compiled and loaded here, for `hidden`,
+    so that no JIT happens while ranks wait for each other."""
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, hidden, eps, BLOCK: tl.constexpr):
+            row = tl.program_id(0)
+            offs = tl.arange(0, BLOCK)
+            mask = offs < hidden
+            base = row * hidden
+            s = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+            s += tl.load(r_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(r_out_ptr + base + offs, s.to(r_out_ptr.dtype.element_ty), mask=mask)
+            scale = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + base + offs, (s * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+        def add_rmsnorm(x, residual, weight):
+            out, res_out = torch.empty_like(x), torch.empty_like(residual)
+            hidden = x.shape[1]
+            kernel[(x.shape[0],)](
+                x,
+                residual,
+                weight,
+                out,
+                res_out,
+                hidden,
+                EPS,
+                BLOCK=triton.next_power_of_2(hidden),
+                num_warps=8,
+            )
+            return out, res_out
+
+        probe = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
+        add_rmsnorm(probe, probe, probe[0])
+        torch.cuda.synchronize()
+        return add_rmsnorm, "Triton add+RMSNorm kernel"
+    except Exception as exc:  # no Triton / no compiler: still a fair-ish baseline
+
+        def add_rmsnorm_eager(x, residual, weight):
+            s = x.float() + residual.float()
+            scale = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
+            return (s * scale * weight.float()).to(x.dtype), s.to(x.dtype)
+
+        return add_rmsnorm_eager, f"torch eager add+RMSNorm (Triton unavailable: {exc})"
+
+
+# ------------------------------------------------------------------------ timing helpers
+
+
+def _per_call_us(elapsed_ms_per_rank: list[list[float]], calls: int) -> float:
+    """Median over replays of the per-call time of the rank that started last.
+
+    The ranks' graph launches are a few microseconds apart; the op makes everyone wait for
+    the last rank, so the earliest ranks' timings include that launch skew. The shortest
+    per-rank time is the one without it (all ranks then run the calls in lockstep)."""
+    per_replay = [min(times) for times in zip(*elapsed_ms_per_rank, strict=True)]
+    return statistics.median(per_replay) * 1000.0 / calls
+
+
+def _time_local(
+    ranks: LocalRanks, body: Callable[[int, object], None], calls: int, replays: int
+) -> float:
+    """Times `calls` repetitions of body(rank, ws) captured in one graph per rank."""
+    ranks.run(lambda r, ws: [body(r, ws) for _ in range(2)])  # warm-up, eager
+    torch.cuda.synchronize()
+    graphs = []
+    for rank, ws in enumerate(ranks.workspaces):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=ranks.streams[rank]):
+            for _ in range(calls):
+                body(rank, ws)
+        graphs.append(graph)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in graphs]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in graphs]
+    elapsed: list[list[float]] = [[] for _ in graphs]
+    for _ in range(replays + 1):
+        ranks.run(lambda r, ws: (starts[r].record(), graphs[r].replay(), ends[r].record()))
+        torch.cuda.synchronize()
+        for r in range(len(graphs)):
+            elapsed[r].append(starts[r].elapsed_time(ends[r]))
+    ranks.check_errors()
+    return _per_call_us([e[1:] for e in elapsed], calls)  # first replay is a warm-up
+
+
+# --------------------------------------------------------------------- ranks on one GPU
+
+
+def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> dict:
+    add_rmsnorm, norm_desc = _make_add_rmsnorm(hidden)
+    max_tokens = max(tokens_list)
+    ranks = LocalRanks(sk.CommWorkspace.create_local(world_size, max_tokens, hidden))
+    rows = []
+    try:
+        for tokens in tokens_list:
+            g = torch.Generator(device="cuda").manual_seed(tokens)
+            xs = [
+                torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+                for _ in range(world_size)
+            ]
+            residual = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+            weight = torch.ones(hidden, device="cuda").bfloat16()
+            ws0 = ranks.workspaces[0]
+            variant, blocks = ws0.plan(tokens * hidden * 2)
+
+            def plain(r, ws, xs=xs):
+                sk.all_reduce(xs[r], ws)
+
+            def fused(r, ws, xs=xs, residual=residual, weight=weight):
+                sk.fused_allreduce_add_rmsnorm(xs[r], residual, weight, EPS, ws)
+
+            def unfused(r, ws, xs=xs, residual=residual, weight=weight):
+                add_rmsnorm(sk.all_reduce(xs[r], ws), residual, weight)
+
+            row = {
+                "tokens": tokens,
+                "bytes": tokens * hidden * 2,
+                "variant": "oneshot" if variant == 0 else "twoshot",
+                "blocks": blocks,
+                "ours_plain": _time_local(ranks, plain, args.calls, args.replays),
+                "ours_fused": _time_local(ranks, fused, args.calls, args.replays),
+                "ours_unfused": _time_local(ranks, unfused, args.calls, args.replays),
+                "nccl_norm": None,
+                "fi_trtllm_fused": None,
+                "fi_pcie": None,
+            }
+            rows.append(row)
+            print(f"  world {world_size} tokens {tokens:5d}: {_fmt_row(row)}", flush=True)
+    finally:
+        ranks.close()
+    return {
+        "world_size": world_size,
+        "mode": "one GPU, ranks as streams of one process",
+        "add_rmsnorm": norm_desc,
+        "skipped": {
+            "nccl_norm": f"n/a (needs {world_size} GPUs: NCCL refuses two ranks on one GPU)",
+            "fi_trtllm_fused": f"n/a (needs {world_size} GPUs)",
+            "fi_pcie": f"n/a (needs {world_size} GPUs)",
+        },
+        "rows": rows,
+    }
+
+
+# ------------------------------------------------------------------- one process per GPU
+
+
+def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, args) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    gloo = dist.new_group(backend="gloo")
+    hidden, tokens_list = args.hidden, args.tokens
+    add_rmsnorm, norm_desc = _make_add_rmsnorm(hidden)
+    max_tokens = max(tokens_list)
+    ws = sk.CommWorkspace.create(gloo, max_tokens, hidden)
+    skipped: dict[str, str] = {}
+    fi_fused, fi_pcie = _flashinfer_baselines(rank, world_size, max_tokens, hidden, gloo, skipped)
+    stream = torch.cuda.Stream()
+
+    def time_graph(body: Callable[[], None]) -> float:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body()
+            body()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(args.calls):
+                body()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        mine = []
+        for _ in range(args.replays + 1):
+            dist.barrier(group=gloo)
+            with torch.cuda.stream(stream):
+                start.record()
+                graph.replay()
+                end.record()
+            torch.cuda.synchronize()
+            mine.append(start.elapsed_time(end))
+        everyone: list[list[float] | None] = [None] * world_size
+        dist.all_gather_object(everyone, mine[1:], group=gloo)
+        ws.check_error()
+        return _per_call_us(everyone, args.calls)
+
+    rows = []
+    try:
+        for tokens in tokens_list:
+            g = torch.Generator(device="cuda").manual_seed(1000 * rank + tokens)
+            x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+            residual = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+            weight = torch.ones(hidden, device="cuda").bfloat16()
+            variant, blocks = ws.plan(tokens * hidden * 2)
+
+            def nccl_norm(x=x, residual=residual, weight=weight):
+                y = x.clone()
+                dist.all_reduce(y)
+                add_rmsnorm(y, residual, weight)
+
+            row = {
+                "tokens": tokens,
+                "bytes": tokens * hidden * 2,
+                "variant": "oneshot" if variant == 0 else "twoshot",
+                "blocks": blocks,
+                "ours_plain": time_graph(lambda x=x: sk.all_reduce(x, ws)),
+                "ours_fused": time_graph(
+                    lambda x=x, r=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                        x, r, w, EPS, ws
+                    )
+                ),
+                "ours_unfused": time_graph(
+                    lambda x=x, r=residual, w=weight: add_rmsnorm(sk.all_reduce(x, ws), r, w)
+                ),
+                "nccl_norm": time_graph(nccl_norm),
+                "fi_trtllm_fused": _maybe(
+                    fi_fused and (lambda x=x, r=residual, w=weight: fi_fused(x, r, w)),
+                    time_graph,
+                    "fi_trtllm_fused",
+                    skipped,
+                ),
+                "fi_pcie": _maybe(
+                    fi_pcie and (lambda x=x: fi_pcie(x)), time_graph, "fi_pcie", skipped
+                ),
+            }
+            rows.append(row)
+            if rank == 0:
+                print(f"  world {world_size} tokens {tokens:5d}: {_fmt_row(row)}", flush=True)
+    finally:
+        ws.close()
+    if rank == 0:
+        Path(result_file).write_text(
+            json.dumps(
+                {
+                    "world_size": world_size,
+                    "mode": "one process per GPU",
+                    "add_rmsnorm": norm_desc,
+                    "skipped": skipped,
+                    "rows": rows,
+                }
+            )
+        )
+    dist.destroy_process_group()
+
+
+def _maybe(body, time_graph, name: str, skipped: dict[str, str]) -> float | None:
+    if not body:
+        return None
+    try:
+        return time_graph(body)
+    except Exception as exc:  # a baseline failing must not hide our numbers
+        skipped[name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        return None
+
+
+def _flashinfer_baselines(rank, world_size, max_tokens, hidden, gloo, skipped):
+    """FlashInfer's trtllm fused kernel and PCIe-IPC all-reduce, where flashinfer imports."""
+    try:
+        import flashinfer.comm as fic
+    except Exception as exc:
+        reason = f"n/a (flashinfer not importable: {type(exc).__name__}: {exc})"[:300]
+        skipped["fi_trtllm_fused"] = skipped["fi_pcie"] = reason
+        return None, None
+    fused = pcie = None
+    try:
+        fws = fic.create_allreduce_fusion_workspace(
+            backend="trtllm",
+            world_size=world_size,
+            rank=rank,
+            max_token_num=max_tokens,
+            hidden_dim=hidden,
+            dtype=torch.bfloat16,
+        )
+
+        def fused(x, residual, weight):
+            norm_out, res_out = torch.empty_like(x), torch.empty_like(residual)
+            fic.allreduce_fusion(
+                input=x,
+                workspace=fws,
+                pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
+                launch_with_pdl=False,
+                residual_out=res_out,
+                norm_out=norm_out,
+                residual_in=residual,
+                rms_gamma=weight,
+                rms_eps=EPS,
+                fp32_acc=True,
+            )
+            return norm_out, res_out
+    except Exception as exc:
+        skipped["fi_trtllm_fused"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+    try:
+        pws = fic.PcieIpcAllReduceWorkspace(group=gloo, max_numel=max_tokens * hidden)
+
+        def pcie(x):
+            return pws.all_reduce(x)
+    except Exception as exc:
+        skipped["fi_pcie"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+    return fused, pcie
+
+
+def bench_multiprocess(world_size: int, args) -> dict:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        mp.spawn(
+            _mp_worker,
+            args=(world_size, str(Path(tmp) / "init"), str(result), args),
+            nprocs=world_size,
+            join=True,
+        )
+        return json.loads(result.read_text())
+
+
+# --------------------------------------------------------------------------------- output
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _fmt_row(row: dict) -> str:
+    return "  ".join(f"{HEADERS[c]} {_fmt(row[c])}" for c in COLUMNS if row[c] is not None)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def print_table(result: dict) -> None:
+    n = result["world_size"]
+    print(f"\n### world size {n} ({result['mode']}), microseconds per call, bf16")
+    print(f"separate norm: {result['add_rmsnorm']}")
+    header = ["tokens", "KiB", "variant", *[HEADERS[c] for c in COLUMNS]]
+    header += ["unfused/fused", "NCCL+norm/fused"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in result["rows"]:
+        cells = [str(row["tokens"]), f"{row['bytes'] / 1024:.0f}", row["variant"]]
+        cells += [_fmt(row[c]) for c in COLUMNS]
+        cells += [
+            _ratio(row["ours_unfused"], row["ours_fused"]),
+            _ratio(row["nccl_norm"], row["ours_fused"]),
+        ]
+        print("| " + " | ".join(cells) + " |")
+    for name, reason in result["skipped"].items():
+        print(f"- {HEADERS[name]}: {reason}")
+
+
+def plot(results: list[dict], path: Path, machine: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        print(f"no plot: matplotlib unavailable ({exc})")
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, result in zip(axes[0], results, strict=True):
+        tokens = [r["tokens"] for r in result["rows"]]
+        for column in COLUMNS:
+            values = [r[column] for r in result["rows"]]
+            if any(v is not None for v in values):
+                ax.plot(tokens, values, marker="o", label=HEADERS[column])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens (hidden 7168, bf16)")
+        ax.set_ylabel("us per call")
+        ax.set_title(f"world {result['world_size']}: {result['mode']}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(machine, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def machine_description() -> dict:
+    count = torch.cuda.device_count()
+    names = sorted({torch.cuda.get_device_name(i) for i in range(count)})
+    return {
+        "gpus": count,
+        "gpu_names": names,
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+        "python": platform.python_version(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--calls", type=int, default=20, help="calls captured per graph")
+    parser.add_argument("--replays", type=int, default=10, help="timed replays per cell")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmark/results"))
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "local", "multiprocess"],
+        default="auto",
+        help="auto: one process per GPU when there are enough GPUs, else streams on one GPU",
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    machine = machine_description()
+    gpus = machine["gpus"]
+    sm = "".join(map(str, machine["capability"]))
+    print(
+        f"machine: {gpus} x {', '.join(machine['gpu_names'])} (sm_{sm}), "
+        f"torch {machine['torch']}, CUDA {machine['cuda']}"
+    )
+    results = []
+    started = time.time()
+    for n in args.world_sizes:
+        use_local = args.mode == "local" or (args.mode == "auto" and gpus < n)
+        if use_local:
+            print(
+                f"world size {n}: ranks share ONE GPU (streams of one process): the numbers are "
+                "kernel overhead, not interconnect",
+                flush=True,
+            )
+            results.append(bench_local(n, args.tokens, args.hidden, args))
+        else:
+            print(f"world size {n}: one process per GPU on {n} GPUs", flush=True)
+            results.append(bench_multiprocess(n, args))
+    for result in results:
+        print_table(result)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    summary = f"{gpus} x {', '.join(machine['gpu_names'])}; " + "; ".join(
+        f"world {r['world_size']}: {r['mode']}" for r in results
+    )
+    payload = {
+        "machine": machine,
+        "summary": summary,
+        "settings": {
+            "hidden": args.hidden,
+            "calls": args.calls,
+            "replays": args.replays,
+            "dtype": "bfloat16",
+            "env": {k: v for k, v in os.environ.items() if k.startswith("SGL_KERNEL_SM120_")},
+        },
+        "elapsed_s": round(time.time() - started, 1),
+        "results": results,
+    }
+    json_path = args.out_dir / "bench_allreduce.json"
+    json_path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {json_path}")
+    plot(results, args.out_dir / "bench_allreduce.png", summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,466 @@
+"""sgl_kernel_sm120 ops against a float32 reference, ranks emulated in one process.
+
+N ranks live in this process on one GPU, one stream each, sharing buffer pointers directly:
+a synchronisation round costs ~1 us there (against ~2.4 ms between processes time-slicing one
+GPU), which makes the heavy cases affordable (all sizes, 1000 graph replays). The CUDA-IPC
+exchange itself is covered by test_sgl_kernel_multiprocess.py.
+
+CUDA_MODULE_LOADING=EAGER is set before CUDA starts: with lazy loading, the first launch of any
+kernel loads its module, which waits for the running kernels, i.e. for a rank's spinning kernel
+whose peer this very thread has not launched yet (deadlock until the timeout).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import sgl_kernel_sm120 as sk
+except ImportError:  # not installed: use the sources (the library then comes from the env var)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "python"))
+    import sgl_kernel_sm120 as sk
+
+from sgl_kernel_sm120 import _lib
+from sgl_kernel_sm120.testing import (
+    TOLERANCES,
+    LocalRanks,
+    max_violation,
+    reference_all_reduce,
+    reference_fused,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+WORLD_SIZES = [2, 4, 8]
+TOKENS = [1, 2, 3, 8, 16, 64, 127, 256, 512, 1024, 2048]
+HIDDENS = [2048, 4096, 7168]
+MAX_TOKENS = 2048
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library() -> None:
+    try:
+        _lib.lib()
+    except _lib.LibraryError as exc:
+        if os.environ.get("SGL_KERNEL_SM120_REQUIRED") == "1":
+            pytest.fail(f"SGL_KERNEL_SM120_REQUIRED=1 but the library is unusable: {exc}")
+        pytest.skip(f"sgl-kernel-sm120 library not built: {exc}")
+
+
+def _make_ranks(world_size: int, max_tokens: int = MAX_TOKENS, hidden: int = 7168, **kw):
+    return LocalRanks(sk.CommWorkspace.create_local(world_size, max_tokens, hidden, **kw))
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+def forced_ranks(request):
+    """Workspaces whose push slots hold a whole max-size message, so that either variant can
+    be forced at every size."""
+    ranks = _make_ranks(request.param, oneshot_max_bytes=MAX_TOKENS * 7168 * 2)
+    yield ranks
+    ranks.close()
+
+
+def _inputs(world_size: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda")
+
+    xs = [randn(tokens, hidden).to(dtype) for _ in range(world_size)]
+    residual = randn(tokens, hidden).to(dtype)
+    weight = (1.0 + 0.1 * randn(hidden)).to(dtype)
+    return xs, residual, weight
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    rtol, atol = TOLERANCES[actual.dtype]
+    violation = max_violation(actual, expected, rtol).item()
+    assert violation <= atol, f"{what}: max(|err| - {rtol}|ref|) = {violation:.4g} > {atol}"
+
+
+def _assert_identical(outs: list[torch.Tensor], what: str) -> None:
+    for rank, out in enumerate(outs[1:], start=1):
+        assert torch.equal(out, outs[0]), f"{what}: rank {rank} differs from rank 0"
+
+
+def _check_plain(ranks: LocalRanks, xs, outs, what: str) -> None:
+    ranks.check_errors()
+    expected = reference_all_reduce(xs)
+    for rank, out in enumerate(outs):
+        _assert_close(out, expected, f"{what} rank {rank}")
+    _assert_identical(outs, what)
+
+
+def _check_fused(ranks: LocalRanks, xs, residual, weight, outs, what: str) -> None:
+    ranks.check_errors()
+    norm_ref, residual_ref = reference_fused(xs, residual, weight, EPS)
+    for rank, (norm, res) in enumerate(outs):
+        _assert_close(res, residual_ref, f"{what} residual_out rank {rank}")
+        _assert_close(norm, norm_ref, f"{what} norm_out rank {rank}")
+    _assert_identical([n for n, _ in outs], what + " norm_out")
+    _assert_identical([r for _, r in outs], what + " residual_out")
+
+
+@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+def test_all_reduce_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
+    n = forced_ranks.world_size
+    for tokens in TOKENS:
+        for hidden in HIDDENS:
+            xs, _, _ = _inputs(n, tokens, hidden, torch.bfloat16, seed=tokens * 7 + hidden)
+            outs = forced_ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws, variant=variant))
+            _check_plain(forced_ranks, xs, outs, f"world {n} {variant} {tokens}x{hidden}")
+
+
+@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+def test_fused_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
+    n = forced_ranks.world_size
+    for tokens in TOKENS:
+        for hidden in HIDDENS:
+            xs, residual, weight = _inputs(n, tokens, hidden, torch.bfloat16, seed=tokens + hidden)
+            outs = forced_ranks.run(
+                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                    xs[r], res, w, EPS, ws, variant=variant
+                )
+            )
+            _check_fused(
+                forced_ranks, xs, residual, weight, outs, f"world {n} {variant} {tokens}x{hidden}"
+            )
+
+
+def test_inputs_are_not_modified(forced_ranks):
+    n = forced_ranks.world_size
+    xs, residual, weight = _inputs(n, 5, 2048, torch.bfloat16, seed=3)
+    copies = [x.clone() for x in xs], residual.clone(), weight.clone()
+    forced_ranks.run(lambda r, ws: sk.fused_allreduce_add_rmsnorm(xs[r], residual, weight, EPS, ws))
+    forced_ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws))
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(xs, copies[0], strict=True))
+    assert torch.equal(residual, copies[1]) and torch.equal(weight, copies[2])
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+def test_fp16_matches_fp32_reference(world_size, variant):
+    ranks = _make_ranks(
+        world_size,
+        max_tokens=256,
+        hidden=4096,
+        dtype=torch.float16,
+        oneshot_max_bytes=256 * 4096 * 2,
+    )
+    try:
+        for tokens in (1, 33, 256):
+            xs, residual, weight = _inputs(world_size, tokens, 4096, torch.float16, seed=tokens)
+            outs = ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws, variant=variant))
+            _check_plain(ranks, xs, outs, f"fp16 {variant} {tokens}")
+            outs = ranks.run(
+                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                    xs[r], res, w, EPS, ws, variant=variant
+                )
+            )
+            _check_fused(ranks, xs, residual, weight, outs, f"fp16 fused {variant} {tokens}")
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_variant_is_chosen_by_size_with_default_thresholds(world_size):
+    ranks = _make_ranks(world_size, max_tokens=512)
+    try:
+        threshold = ranks.workspaces[0].tuning.oneshot_max_bytes
+        assert threshold == sk.default_oneshot_max_bytes(world_size)
+        for tokens in (1, 4, 64, 512):
+            nbytes = tokens * 7168 * 2
+            expected = _lib.VARIANT_ONESHOT if nbytes <= threshold else _lib.VARIANT_TWOSHOT
+            assert ranks.workspaces[0].plan(nbytes)[0] == expected
+            xs, residual, weight = _inputs(world_size, tokens, 7168, torch.bfloat16, seed=tokens)
+            outs = ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws))
+            _check_plain(ranks, xs, outs, f"auto {tokens}")
+            outs = ranks.run(
+                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                    xs[r], res, w, EPS, ws
+                )
+            )
+            _check_fused(ranks, xs, residual, weight, outs, f"auto fused {tokens}")
+    finally:
+        ranks.close()
+
+
+def test_back_to_back_calls_of_different_sizes_without_sync(forced_ranks):
+    world_size = forced_ranks.world_size
+    sequence = [
+        (1, "fused", "oneshot"),
+        (2048, "plain", "twoshot"),
+        (3, "plain", "oneshot"),
+        (300, "fused", "twoshot"),
+        (64, "fused", "oneshot"),
+        (1024, "plain", "oneshot"),
+        (7, "fused", "twoshot"),
+        (2, "plain", "twoshot"),
+    ]
+    data = [
+        _inputs(world_size, t, 7168, torch.bfloat16, seed=i) for i, (t, _, _) in enumerate(sequence)
+    ]
+
+    def enqueue_all(rank, ws):
+        results = []
+        for (_, op, variant), (xs, residual, weight) in zip(sequence, data, strict=True):
+            if op == "plain":
+                results.append(sk.all_reduce(xs[rank], ws, variant=variant))
+            else:
+                results.append(
+                    sk.fused_allreduce_add_rmsnorm(
+                        xs[rank], residual, weight, EPS, ws, variant=variant
+                    )
+                )
+        return results
+
+    per_rank = forced_ranks.run(enqueue_all)
+    for i, ((tokens, op, variant), (xs, residual, weight)) in enumerate(
+        zip(sequence, data, strict=True)
+    ):
+        outs = [per_rank[r][i] for r in range(world_size)]
+        what = f"call {i}: {op} {variant} {tokens} tokens"
+        if op == "plain":
+            _check_plain(forced_ranks, xs, outs, what)
+        else:
+            _check_fused(forced_ranks, xs, residual, weight, outs, what)
+
+
+def _three_calls_with_slow_rank(variant: str, single_buffer: bool) -> list[float]:
+    """Rank 0 stalls 2 ms after each wait, i.e. while it still has to read its buffers; the
+    other ranks go straight on to the next call. Returns each result's violation."""
+    world_size = 4
+    ranks = _make_ranks(world_size, max_tokens=64, hidden=2048, oneshot_max_bytes=64 * 2048 * 2)
+    try:
+        for ws in ranks.workspaces:
+            ws._set_debug(single_buffer=single_buffer, delay_rank=0, delay_us=2000)
+        data = [_inputs(world_size, 64, 2048, torch.bfloat16, seed=s)[0] for s in range(3)]
+        per_rank = ranks.run(
+            lambda r, ws: [sk.all_reduce(xs[r], ws, variant=variant) for xs in data]
+        )
+        ranks.check_errors()
+        rtol, _ = TOLERANCES[torch.bfloat16]
+        return [
+            max_violation(per_rank[r][i], reference_all_reduce(xs), rtol).item()
+            for i, xs in enumerate(data)
+            for r in range(world_size)
+        ]
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+def test_no_rank_overwrites_a_buffer_a_slow_peer_still_reads(variant):
+    _, atol = TOLERANCES[torch.bfloat16]
+    violations = _three_calls_with_slow_rank(variant, single_buffer=False)
+    assert max(violations) <= atol, violations
+
+
+def test_buffer_reuse_test_catches_a_kernel_without_the_double_buffer():
+    """Negative control for the test above: with the parity double buffer switched off, fast
+    ranks overwrite the slow rank's one-shot slots before it reads them."""
+    _, atol = TOLERANCES[torch.bfloat16]
+    violations = _three_calls_with_slow_rank("oneshot", single_buffer=True)
+    assert max(violations) > atol, "the race did not show: the reuse test proves nothing"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_cuda_graph_replays_1000_times_with_changing_inputs(world_size):
+    ranks = _make_ranks(world_size, max_tokens=512)
+    sets = 4
+    # (tokens, op, variant): auto (one-shot at small sizes), forced two-shot, mixed.
+    calls = [
+        (7, "fused", None),
+        (256, "plain", "twoshot"),
+        (96, "fused", "twoshot"),
+        (5, "plain", None),
+    ]
+    data = [
+        [
+            _inputs(world_size, t, 7168, torch.bfloat16, seed=100 * k + i)
+            for i, (t, _, _) in enumerate(calls)
+        ]
+        for k in range(sets)
+    ]
+    refs = []
+    for k in range(sets):
+        per_call = []
+        for (_, op, _), (xs, residual, weight) in zip(calls, data[k], strict=True):
+            if op == "plain":
+                per_call.append((reference_all_reduce(xs),))
+            else:
+                per_call.append(reference_fused(xs, residual, weight, EPS))
+        refs.append(per_call)
+    static = [
+        [(xs[r].clone(), residual.clone(), weight.clone()) for (xs, residual, weight) in data[0]]
+        for r in range(world_size)
+    ]
+
+    def body(rank, ws):
+        outs = []
+        for (_, op, variant), (x, residual, weight) in zip(calls, static[rank], strict=True):
+            if op == "plain":
+                outs.append((sk.all_reduce(x, ws, variant=variant),))
+            else:
+                outs.append(
+                    sk.fused_allreduce_add_rmsnorm(x, residual, weight, EPS, ws, variant=variant)
+                )
+        return outs
+
+    try:
+        ranks.run(body)  # eager warm-up
+        torch.cuda.synchronize()
+        graphs, outs = [], []
+        for rank, ws in enumerate(ranks.workspaces):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=ranks.streams[rank]):
+                outs.append(body(rank, ws))
+            graphs.append(graph)
+        rtol, atol = TOLERANCES[torch.bfloat16]
+        worst = [torch.zeros((), device="cuda") for _ in range(world_size)]
+
+        def replay(i):
+            def step(rank, ws):
+                k = i % sets
+                for (x, residual, weight), (xs, res_k, w_k) in zip(
+                    static[rank], data[k], strict=True
+                ):
+                    x.copy_(xs[rank])
+                    residual.copy_(res_k)
+                    weight.copy_(w_k)
+                graphs[rank].replay()
+                for got, want in zip(outs[rank], refs[k], strict=True):
+                    for g, w in zip(got, want, strict=True):
+                        torch.maximum(worst[rank], max_violation(g, w, rtol), out=worst[rank])
+
+            return step
+
+        start = time.perf_counter()
+        for i in range(1000):
+            ranks.run(replay(i))
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        ranks.check_errors()
+        values = [w.item() for w in worst]
+        assert max(values) <= atol, f"worst violation per rank over 1000 replays: {values}"
+        print(f"world {world_size}: 1000 replays in {elapsed:.2f} s")
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+def test_missing_peer_fails_with_error_within_timeout(variant):
+    world_size, timeout_ms = 4, 300
+    ranks = _make_ranks(
+        world_size,
+        max_tokens=64,
+        hidden=2048,
+        timeout_ms=timeout_ms,
+        oneshot_max_bytes=64 * 2048 * 2,
+    )
+    try:
+        xs, residual, weight = _inputs(world_size, 64, 2048, torch.bfloat16, seed=1)
+        absent = world_size - 1  # this rank never calls
+        start = time.perf_counter()
+        ranks.run(
+            lambda r, ws: (
+                None
+                if r == absent
+                else sk.fused_allreduce_add_rmsnorm(
+                    xs[r], residual, weight, EPS, ws, variant=variant
+                )
+            )
+        )
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        assert elapsed < timeout_ms / 1000 + 3.0, f"took {elapsed:.2f} s to give up"
+        for ws in ranks.workspaces[:absent]:
+            with pytest.raises(sk.CommTimeoutError, match=f"waiting for rank {absent}"):
+                ws.check_error()
+        assert ranks.workspaces[absent].error() is None
+        # The failed workspace refuses further work on the host, before touching the GPU.
+        with pytest.raises(sk.CommTimeoutError):
+            sk.all_reduce(xs[0], ranks.workspaces[0])
+    finally:
+        ranks.close()
+
+
+def test_late_peer_within_timeout_is_waited_for():
+    world_size = 4
+    ranks = _make_ranks(world_size, max_tokens=64, hidden=2048, timeout_ms=5000)
+    try:
+        xs, residual, weight = _inputs(world_size, 16, 2048, torch.bfloat16, seed=2)
+
+        def late_last_rank(rank, ws):
+            if rank == world_size - 1:
+                torch.cuda._sleep(100_000_000)  # ~50 ms of GPU cycles before joining
+            return sk.fused_allreduce_add_rmsnorm(xs[rank], residual, weight, EPS, ws)
+
+        outs = ranks.run(late_last_rank)
+        _check_fused(ranks, xs, residual, weight, outs, "late peer")
+    finally:
+        ranks.close()
+
+
+def test_ops_trace_under_torch_compile():
+    """Dynamo + AOT autograd with the fake implementations (Inductor, which loads generated
+    kernels, runs in the multi-process test: here a module load would wait for spinning
+    ranks). Each rank's workspace id is a new constant, so rank 1 recompiles while rank 0's
+    kernel already waits: hence the long timeout."""
+    world_size = 2
+    ranks = _make_ranks(world_size, max_tokens=64, hidden=2048, timeout_ms=120_000)
+    try:
+        xs, residual, weight = _inputs(world_size, 16, 2048, torch.bfloat16, seed=4)
+
+        def layer_tail(x, res, w, workspace_id: int):
+            norm, new_res = torch.ops.sgl_kernel_sm120.fused_allreduce_add_rmsnorm(
+                x, res, w, EPS, workspace_id, -1
+            )
+            return norm * 2, new_res, torch.ops.sgl_kernel_sm120.all_reduce(x, workspace_id, -1)
+
+        compiled = torch.compile(layer_tail, backend="aot_eager", fullgraph=True)
+        for _ in range(2):  # second round: compiled code, no tracing
+            outs = ranks.run(lambda r, ws: compiled(xs[r], residual, weight, ws.id))
+        norm_ref, residual_ref = reference_fused(xs, residual, weight, EPS)
+        ranks.check_errors()
+        for norm2, res, plain in outs:
+            _assert_close(norm2, 2 * norm_ref, "compiled norm_out * 2")
+            _assert_close(res, residual_ref, "compiled residual_out")
+            _assert_close(plain, reference_all_reduce(xs), "compiled all_reduce")
+    finally:
+        ranks.close()
+
+
+def test_too_large_input_is_refused_so_the_caller_can_fall_back():
+    ranks = _make_ranks(2, max_tokens=16, hidden=2048)
+    try:
+        x = torch.zeros(17, 2048, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(sk.InputTooLargeError, match="exceed the workspace"):
+            sk.all_reduce(x, ranks.workspaces[0])
+        with pytest.raises(sk.InputTooLargeError, match="exceed the workspace"):
+            sk.fused_allreduce_add_rmsnorm(x, x, x[0], EPS, ranks.workspaces[0])
+    finally:
+        ranks.close()
+
+
+def test_closed_workspace_is_refused():
+    ranks = _make_ranks(2, max_tokens=16, hidden=2048)
+    ws = ranks.workspaces[0]
+    ranks.close()
+    x = torch.zeros(16, 2048, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(sk.WorkspaceError, match="closed"):
+        sk.all_reduce(x, ws)

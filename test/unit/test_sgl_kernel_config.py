@@ -1,0 +1,233 @@
+"""CPU tests of sgl_kernel_sm120's pure-Python parts: workspace sizing, variant and grid
+choice, settings resolution, input validation messages, fake (tracing) op shapes, and the
+P2P refusal message. No GPU and no built library needed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import sgl_kernel_sm120 as sk
+except ImportError:  # not installed: the pure-Python parts import from the sources
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "python"))
+    import sgl_kernel_sm120 as sk
+
+from sgl_kernel_sm120 import _lib, config, workspace
+
+KIB, MIB = 1 << 10, 1 << 20
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in (
+        config.ENV_ONESHOT_MAX_BYTES,
+        config.ENV_BLOCK_BYTES,
+        config.ENV_MAX_BLOCKS,
+        config.ENV_TIMEOUT_MS,
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+# --------------------------------------------------------------------------- sizing
+
+
+def test_workspace_bytes_follow_the_readme_formula_at_8_ranks_hidden_7168():
+    # README: bytes = 16 KiB + 2 N slot + S, slot = max(min(O, S), ceil(S / N)).
+    for max_tokens in (64, 256, 512, 2048):
+        s = max_tokens * 7168 * 2
+        slot = max(min(32 * KIB, s), s // 8)
+        assert sk.workspace_bytes(8, max_tokens, 7168) == 16 * KIB + 2 * 8 * slot + s
+
+
+def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_10_5_mib():
+    assert sk.workspace_bytes(8, 256, 7168) == 11_026_432
+
+
+@pytest.mark.parametrize(
+    ("world_size", "max_bytes", "oneshot", "slot"),
+    [
+        (2, 1 * MIB, 4 * MIB, 1 * MIB),  # one-shot covers everything: slot = whole message
+        (8, 1 * MIB, 32 * KIB, 128 * KIB),  # two-shot chunk (S / 8) is the larger need
+        (8, 128 * KIB, 32 * KIB, 32 * KIB),  # one-shot message is the larger need
+        (4, 16 * 3 * 1000, 1 * KIB, 12_032),  # chunk 12000 rounded up to 256
+    ],
+)
+def test_push_slot_holds_a_oneshot_message_or_a_twoshot_chunk(world_size, max_bytes, oneshot, slot):
+    layout = sk.workspace_layout(world_size, max_bytes, oneshot)
+    assert layout.slot_bytes == slot
+    assert layout.gather_offset == layout.push_offset + 2 * world_size * slot
+    assert layout.total_bytes >= layout.gather_offset + max_bytes
+
+
+def test_layout_refuses_sizes_that_are_not_whole_vectors():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sk.workspace_layout(2, 1000, 4 * KIB)
+
+
+@pytest.mark.parametrize("world_size", [0, 1, 9, 16])
+def test_unsupported_world_sizes_are_refused_with_the_range(world_size):
+    with pytest.raises(ValueError, match="2 to 8 ranks"):
+        sk.workspace_layout(world_size, 1 * MIB, 4 * KIB)
+
+
+# --------------------------------------------------------------------------- choices
+
+
+@pytest.mark.parametrize(
+    ("world_size", "threshold"), [(2, 4 * MIB), (4, 64 * KIB), (8, 32 * KIB), (3, 87_376)]
+)
+def test_default_oneshot_thresholds(world_size, threshold):
+    assert sk.default_oneshot_max_bytes(world_size) == threshold
+
+
+def test_variant_switches_to_twoshot_just_above_the_threshold():
+    tuning = sk.resolve_tuning(8)
+    threshold = tuning.oneshot_max_bytes
+    assert sk.choose_variant(threshold, tuning) == _lib.VARIANT_ONESHOT
+    assert sk.choose_variant(threshold + 16, tuning) == _lib.VARIANT_TWOSHOT
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "blocks"), [(16, 1), (4096, 1), (4097, 2), (14336, 4), (1 * MIB, 64)]
+)
+def test_grid_grows_with_the_message_up_to_max_blocks(nbytes, blocks):
+    assert sk.choose_blocks(nbytes, sk.resolve_tuning(4)) == blocks
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_resolve_argument_over_environment_over_default(monkeypatch):
+    assert sk.resolve_tuning(4).timeout_ms == config.DEFAULT_TIMEOUT_MS
+    monkeypatch.setenv(config.ENV_TIMEOUT_MS, "1500")
+    monkeypatch.setenv(config.ENV_ONESHOT_MAX_BYTES, "0x2000")
+    tuning = sk.resolve_tuning(4)
+    assert (tuning.timeout_ms, tuning.oneshot_max_bytes) == (1500, 8192)
+    assert sk.resolve_tuning(4, timeout_ms=20).timeout_ms == 20
+
+
+def test_bad_environment_values_are_named(monkeypatch):
+    monkeypatch.setenv(config.ENV_BLOCK_BYTES, "lots")
+    with pytest.raises(ValueError, match="SGL_KERNEL_SM120_BLOCK_BYTES='lots' is not an integer"):
+        sk.resolve_tuning(4)
+
+
+def test_default_block_cap_keeps_all_ranks_resident_on_a_shared_gpu():
+    # H200 with this kernel: 132 SMs x 1 block of 512 threads.
+    assert sk.resolve_tuning(8, resident_blocks=132, ranks_per_gpu=8).max_blocks == 16
+    assert sk.resolve_tuning(4, resident_blocks=132, ranks_per_gpu=4).max_blocks == 33
+    assert sk.resolve_tuning(2, resident_blocks=132, ranks_per_gpu=2).max_blocks == 64
+    assert sk.resolve_tuning(8, resident_blocks=188, ranks_per_gpu=1).max_blocks == 64
+
+
+def test_block_cap_that_cannot_be_resident_is_refused():
+    with pytest.raises(ValueError, match="would deadlock"):
+        sk.resolve_tuning(8, max_blocks=32, resident_blocks=132, ranks_per_gpu=8)
+    with pytest.raises(ValueError, match=r"must be in \[1, 64\]"):
+        sk.resolve_tuning(2, max_blocks=65)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "error", "message"),
+    [
+        (_t(64, dtype=torch.float32), TypeError, "bfloat16 or float16"),
+        (_t(8, 16).t(), ValueError, "contiguous"),
+        (_t(12), ValueError, "multiple of 8"),
+        (_t(1024), sk.InputTooLargeError, "2048 bytes exceed the workspace's 1024"),
+    ],
+)
+def test_all_reduce_input_errors_name_the_limit(tensor, error, message):
+    with pytest.raises(error, match=message):
+        sk.validate_all_reduce(tensor, device=CPU, max_bytes=1024)
+
+
+def test_all_reduce_refuses_a_tensor_on_another_device():
+    with pytest.raises(ValueError, match="the workspace on cuda:0"):
+        sk.validate_all_reduce(_t(64), device=torch.device("cuda", 0), max_bytes=1 * MIB)
+
+
+def test_too_large_is_a_value_error_so_generic_fallbacks_catch_it():
+    assert issubclass(sk.InputTooLargeError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("x", "residual", "weight", "error", "message"),
+    [
+        (_t(4, 64), _t(4, 64, dtype=torch.float16), _t(64), TypeError, "share one dtype"),
+        (_t(256), _t(256), _t(256), ValueError, r"\[tokens, hidden\]"),
+        (_t(4, 64), _t(5, 64), _t(64), ValueError, "residual shape"),
+        (_t(4, 64), _t(4, 64), _t(32), ValueError, "weight shape"),
+        (_t(4, 60), _t(4, 60), _t(60), ValueError, "hidden 60 must be a multiple of 8"),
+        (_t(1, 16392), _t(1, 16392), _t(16392), sk.InputTooLargeError, "exceeds the kernel's"),
+        (_t(2049, 8), _t(2049, 8), _t(8), sk.InputTooLargeError, "2049 tokens exceed"),
+        (_t(64, 64), _t(64, 64), _t(64), sk.InputTooLargeError, "exceed the workspace"),
+    ],
+)
+def test_fused_input_errors_name_the_limit(x, residual, weight, error, message):
+    with pytest.raises(error, match=message):
+        sk.validate_fused(x, residual, weight, device=CPU, max_bytes=4096)
+
+
+def test_valid_inputs_pass():
+    sk.validate_all_reduce(_t(4, 64), device=CPU, max_bytes=512)
+    sk.validate_fused(_t(4, 64), _t(4, 64), _t(64), device=CPU, max_bytes=512)
+
+
+# --------------------------------------------------------------------------- ops, errors
+
+
+def test_fake_ops_give_output_shapes_for_torch_compile_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 2048, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(2048, dtype=torch.bfloat16, device="cuda")
+        norm, res = torch.ops.sgl_kernel_sm120.fused_allreduce_add_rmsnorm(x, x, w, 1e-6, 1, -1)
+        out = torch.ops.sgl_kernel_sm120.all_reduce(x, 1, -1)
+    for t in (norm, res, out):
+        assert (t.shape, t.dtype) == (x.shape, x.dtype)
+
+
+def test_unknown_variant_and_workspace_are_refused():
+    with pytest.raises(ValueError, match="'oneshot', 'twoshot'"):
+        sk.ops._variant_code("threeshot")
+    with pytest.raises(sk.WorkspaceError, match="closed or was never created"):
+        sk.get_workspace(-5)
+
+
+class _FakeLib:
+    """Two visible GPUs; bus ids map to devices 0 and 1; P2P only from 0 to 1."""
+
+    def sk_device_by_pci_bus_id(self, bus, device_ref):
+        device_ref._obj.value = {b"0000:01:00.0": 0, b"0000:02:00.0": 1}[bus]
+        return 0
+
+    def sk_can_access_peer(self, device, peer, ok_ref):
+        ok_ref._obj.value = int(device == 0 and peer == 1)
+        return 0
+
+
+def test_missing_p2p_is_reported_with_both_gpus_and_the_fallback(monkeypatch):
+    monkeypatch.setattr(_lib, "lib", lambda: _FakeLib())
+    bus_ids = ["0000:01:00.0", "0000:02:00.0"]
+    assert workspace._p2p_problems(0, 0, bus_ids) is None
+    problem = workspace._p2p_problems(1, 1, bus_ids)
+    assert "no P2P access from 0000:02:00.0 (rank 1) to 0000:01:00.0 (rank 0)" in problem
+    assert "use NCCL" in problem
+
+
+def test_ranks_sharing_one_gpu_need_no_p2p(monkeypatch):
+    monkeypatch.setattr(_lib, "lib", lambda: _FakeLib())
+    assert workspace._p2p_problems(1, 0, ["0000:01:00.0"] * 4) is None
