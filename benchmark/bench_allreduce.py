@@ -9,7 +9,7 @@ For each world size and tokens in {1, 2, ..., 2048} x hidden (default 7168), bf1
   fi pcie-ipc      FlashInfer PcieIpcAllReduceWorkspace.all_reduce (plain)
 Each cell is microseconds per call: every rank captures --calls identical calls in one CUDA
 graph, the graphs are replayed --replays times, and a cell is the median over replays of the
-per-call time of the rank that started last (see `_per_call_us`).
+per-call time of the rank that started last (see `sglang_sm120.tune.per_call_us`).
 
 Ranks run as one process per GPU when the machine has >= world_size GPUs. Otherwise they run
 as streams of one process sharing one GPU: then the numbers are the kernels' own overhead
@@ -32,7 +32,6 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +47,12 @@ except ImportError:  # not installed: use the sources (library from $SGL_KERNEL_
 
 from sgl_kernel_sm120.testing import LocalRanks
 
+try:
+    from sglang_sm120.tune import make_add_rmsnorm, per_call_us, time_local
+except ImportError:  # the plugin is not installed (GPU box without sglang): use the sources
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    from sglang_sm120.tune import make_add_rmsnorm, per_call_us, time_local
+
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 EPS = 1e-6
 COLUMNS = ["ours_plain", "ours_fused", "ours_unfused", "nccl_norm", "fi_trtllm_fused", "fi_pcie"]
@@ -61,103 +66,11 @@ HEADERS = {
 }
 
 
-# ------------------------------------------------------------------ separate add + RMSNorm
-
-
-def _make_add_rmsnorm(hidden: int) -> tuple[Callable, str]:
-    """(fn(x, residual, weight) -> (norm, residual_out), description): one Triton kernel when
-    Triton works, else torch eager (several kernels). Compiled and loaded here, for `hidden`,
-    so that no JIT happens while ranks wait for each other."""
-    try:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, hidden, eps, BLOCK: tl.constexpr):
-            row = tl.program_id(0)
-            offs = tl.arange(0, BLOCK)
-            mask = offs < hidden
-            base = row * hidden
-            s = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-            s += tl.load(r_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(r_out_ptr + base + offs, s.to(r_out_ptr.dtype.element_ty), mask=mask)
-            scale = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + base + offs, (s * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-        def add_rmsnorm(x, residual, weight):
-            out, res_out = torch.empty_like(x), torch.empty_like(residual)
-            hidden = x.shape[1]
-            kernel[(x.shape[0],)](
-                x,
-                residual,
-                weight,
-                out,
-                res_out,
-                hidden,
-                EPS,
-                BLOCK=triton.next_power_of_2(hidden),
-                num_warps=8,
-            )
-            return out, res_out
-
-        probe = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
-        add_rmsnorm(probe, probe, probe[0])
-        torch.cuda.synchronize()
-        return add_rmsnorm, "Triton add+RMSNorm kernel"
-    except Exception as exc:  # no Triton / no compiler: still a fair-ish baseline
-
-        def add_rmsnorm_eager(x, residual, weight):
-            s = x.float() + residual.float()
-            scale = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
-            return (s * scale * weight.float()).to(x.dtype), s.to(x.dtype)
-
-        return add_rmsnorm_eager, f"torch eager add+RMSNorm (Triton unavailable: {exc})"
-
-
-# ------------------------------------------------------------------------ timing helpers
-
-
-def _per_call_us(elapsed_ms_per_rank: list[list[float]], calls: int) -> float:
-    """Median over replays of the per-call time of the rank that started last.
-
-    The ranks' graph launches are a few microseconds apart; the op makes everyone wait for
-    the last rank, so the earliest ranks' timings include that launch skew. The shortest
-    per-rank time is the one without it (all ranks then run the calls in lockstep)."""
-    per_replay = [min(times) for times in zip(*elapsed_ms_per_rank, strict=True)]
-    return statistics.median(per_replay) * 1000.0 / calls
-
-
-def _time_local(
-    ranks: LocalRanks, body: Callable[[int, object], None], calls: int, replays: int
-) -> float:
-    """Times `calls` repetitions of body(rank, ws) captured in one graph per rank."""
-    ranks.run(lambda r, ws: [body(r, ws) for _ in range(2)])  # warm-up, eager
-    torch.cuda.synchronize()
-    graphs = []
-    for rank, ws in enumerate(ranks.workspaces):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=ranks.streams[rank]):
-            for _ in range(calls):
-                body(rank, ws)
-        graphs.append(graph)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in graphs]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in graphs]
-    elapsed: list[list[float]] = [[] for _ in graphs]
-    for _ in range(replays + 1):
-        ranks.run(lambda r, ws: (starts[r].record(), graphs[r].replay(), ends[r].record()))
-        torch.cuda.synchronize()
-        for r in range(len(graphs)):
-            elapsed[r].append(starts[r].elapsed_time(ends[r]))
-    ranks.check_errors()
-    return _per_call_us([e[1:] for e in elapsed], calls)  # first replay is a warm-up
-
-
 # --------------------------------------------------------------------- ranks on one GPU
 
 
 def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> dict:
-    add_rmsnorm, norm_desc = _make_add_rmsnorm(hidden)
+    add_rmsnorm, norm_desc = make_add_rmsnorm(hidden, torch.bfloat16)
     max_tokens = max(tokens_list)
     ranks = LocalRanks(sk.CommWorkspace.create_local(world_size, max_tokens, hidden))
     rows = []
@@ -187,9 +100,9 @@ def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> d
                 "bytes": tokens * hidden * 2,
                 "variant": "oneshot" if variant == 0 else "twoshot",
                 "blocks": blocks,
-                "ours_plain": _time_local(ranks, plain, args.calls, args.replays),
-                "ours_fused": _time_local(ranks, fused, args.calls, args.replays),
-                "ours_unfused": _time_local(ranks, unfused, args.calls, args.replays),
+                "ours_plain": time_local(ranks, plain, args.calls, args.replays),
+                "ours_fused": time_local(ranks, fused, args.calls, args.replays),
+                "ours_unfused": time_local(ranks, unfused, args.calls, args.replays),
                 "nccl_norm": None,
                 "fi_trtllm_fused": None,
                 "fi_pcie": None,
@@ -223,7 +136,7 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
     )
     gloo = dist.new_group(backend="gloo")
     hidden, tokens_list = args.hidden, args.tokens
-    add_rmsnorm, norm_desc = _make_add_rmsnorm(hidden)
+    add_rmsnorm, norm_desc = make_add_rmsnorm(hidden, torch.bfloat16)
     max_tokens = max(tokens_list)
     ws = sk.CommWorkspace.create(gloo, max_tokens, hidden)
     skipped: dict[str, str] = {}
@@ -253,7 +166,7 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
         everyone: list[list[float] | None] = [None] * world_size
         dist.all_gather_object(everyone, mine[1:], group=gloo)
         ws.check_error()
-        return _per_call_us(everyone, args.calls)
+        return per_call_us(everyone, args.calls)
 
     rows = []
     try:

@@ -4,6 +4,8 @@ sglang-sm120 doctor [--tp N] [--model-arch A] [--json]
     this machine: versions, GPUs, P2P, NVLink, NUMA, each patch's status, the plan
 sglang-sm120 plan (--profile NAME | --topology FILE) --tp N [--model-arch A] [--json]
     the plan for a machine you are not on
+sglang-sm120 tune --tp N [--hidden H] [--tokens T ...]
+    measure every all-reduce backend on this host's GPUs, write the tuning table
 sglang-sm120 warmup [--dry-run] [--vocab-size V]
     compile the JIT kernels the server needs on this GPU, before the server starts
 sglang-sm120 profiles
@@ -250,6 +252,27 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from sglang_sm120.tune import TOKENS, TuneSettings, format_table, run_tune
+
+    settings = TuneSettings(
+        tp=args.tp,
+        hidden=args.hidden,
+        dtype=args.dtype,
+        tokens=tuple(args.tokens or TOKENS),
+        calls=args.calls,
+        replays=args.replays,
+    )
+    try:
+        table, path = run_tune(settings)
+    except (RuntimeError, ValueError) as exc:
+        print(f"sglang-sm120 tune: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(table.to_json(), indent=1) if args.json else format_table(table))
+    print(f"written: {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_warmup(args: argparse.Namespace) -> int:
     from sglang_sm120.warmup import format_steps, run_warmup
 
@@ -282,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--topology", help="topology JSON file (format of the embedded profiles)")
     _add_deployment_args(plan, tp_required=True)
     plan.set_defaults(func=cmd_plan)
+    tune = sub.add_parser("tune", help="measure all-reduce backends here, write the tuning table")
+    tune.add_argument("--tp", type=int, required=True)
+    tune.add_argument("--hidden", type=int, default=7168)
+    tune.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    tune.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1..2048)")
+    tune.add_argument("--calls", type=int, default=20, help="calls per captured graph")
+    tune.add_argument("--replays", type=int, default=10)
+    tune.add_argument("--json", action="store_true")
+    tune.set_defaults(func=cmd_tune)
     warmup = sub.add_parser("warmup", help="compile the server's JIT kernels for this GPU ahead")
     warmup.add_argument("--dry-run", action="store_true", help="list the steps, build nothing")
     warmup.add_argument(
