@@ -34,9 +34,13 @@ Examples::
 
 from __future__ import annotations
 
+import os
+
+# Emulated ranks share this process: a lazily loaded kernel would wait for the spinning ranks.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 import argparse
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
