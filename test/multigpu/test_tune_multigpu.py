@@ -1,0 +1,41 @@
+"""``tune`` with one process per GPU: every backend this host has (NCCL + norm always, FlashInfer
+trtllm and PCIe-IPC where flashinfer imports, sm120_pcie where sgl-kernel-sm120 does) is checked
+against the float32 reference over the real interconnect, and the table is one the plan uses.
+
+Needs as many GPUs as ranks; skipped with the reason elsewhere (the single-GPU version with
+ranks as streams is test/gpu/test_tune.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+for source in (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python"):
+    if str(source) not in sys.path:
+        sys.path.append(str(source))
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.multigpu
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_every_backend_is_correct_over_the_interconnect(tp, tmp_path, monkeypatch):
+    if GPUS < tp:
+        pytest.skip(f"needs {tp} GPUs, {GPUS} visible")
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
+    from sglang_sm120.facts import current_facts
+    from sglang_sm120.tune import TuneSettings, format_table, run_tune
+    from sglang_sm120.tuning import load_table
+
+    table, _ = run_tune(TuneSettings(tp=tp, tokens=(1, 4, 16, 64, 256), calls=5, replays=3))
+    print(format_table(table))
+    assert not table.ranks_share_gpu
+    measured = [m for m in table.measurements if m.us is not None]
+    assert {"nccl", "sm120_pcie"} <= {m.backend for m in measured}
+    wrong = [m for m in measured if not m.correct]
+    assert not wrong, wrong
+    assert load_table(current_facts(), tp, 7168, "bfloat16")[0] == table
