@@ -30,6 +30,7 @@ import os
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -47,11 +48,10 @@ except ImportError:  # not installed: use the sources (library from $SGL_KERNEL_
 
 from sgl_kernel_sm120.testing import LocalRanks
 
-try:
-    from sglang_sm120.tune import make_add_rmsnorm, per_call_us, time_local
-except ImportError:  # the plugin is not installed (GPU box without sglang): use the sources
+if importlib.util.find_spec("sglang_sm120") is None:  # plugin not installed: use the sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    from sglang_sm120.tune import make_add_rmsnorm, per_call_us, time_local
+from sglang_sm120.tune import flashinfer_trtllm_fused, make_add_rmsnorm, time_local
+from sglang_sm120.tune import time_graph as time_graph_in_step
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 EPS = 1e-6
@@ -144,29 +144,9 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
     stream = torch.cuda.Stream()
 
     def time_graph(body: Callable[[], None]) -> float:
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()
-            body()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(args.calls):
-                body()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        mine = []
-        for _ in range(args.replays + 1):
-            dist.barrier(group=gloo)
-            with torch.cuda.stream(stream):
-                start.record()
-                graph.replay()
-                end.record()
-            torch.cuda.synchronize()
-            mine.append(start.elapsed_time(end))
-        everyone: list[list[float] | None] = [None] * world_size
-        dist.all_gather_object(everyone, mine[1:], group=gloo)
+        us = time_graph_in_step(body, stream, args.calls, args.replays, gloo)
         ws.check_error()
-        return per_call_us(everyone, args.calls)
+        return us
 
     rows = []
     try:
@@ -247,30 +227,7 @@ def _flashinfer_baselines(rank, world_size, max_tokens, hidden, gloo, skipped):
         return None, None
     fused = pcie = None
     try:
-        fws = fic.create_allreduce_fusion_workspace(
-            backend="trtllm",
-            world_size=world_size,
-            rank=rank,
-            max_token_num=max_tokens,
-            hidden_dim=hidden,
-            dtype=torch.bfloat16,
-        )
-
-        def fused(x, residual, weight):
-            norm_out, res_out = torch.empty_like(x), torch.empty_like(residual)
-            fic.allreduce_fusion(
-                input=x,
-                workspace=fws,
-                pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
-                launch_with_pdl=False,
-                residual_out=res_out,
-                norm_out=norm_out,
-                residual_in=residual,
-                rms_gamma=weight,
-                rms_eps=EPS,
-                fp32_acc=True,
-            )
-            return norm_out, res_out
+        fused = flashinfer_trtllm_fused(rank, world_size, max_tokens, hidden, torch.bfloat16)
     except Exception as exc:
         skipped["fi_trtllm_fused"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     try:

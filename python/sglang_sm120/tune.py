@@ -204,6 +204,42 @@ def _tune_local(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
 # ---------------------------------------------------------------- one process per GPU
 
 
+def flashinfer_trtllm_fused(
+    rank: int, world_size: int, max_tokens: int, hidden: int, dtype: Any
+) -> Callable:
+    """FlashInfer's fused all-reduce + residual + RMSNorm (trtllm backend) as
+    fn(x, residual, weight) -> (norm_out, residual_out); raises where it cannot be set up."""
+    import flashinfer.comm as fic
+    import torch
+
+    fws = fic.create_allreduce_fusion_workspace(
+        backend="trtllm",
+        world_size=world_size,
+        rank=rank,
+        max_token_num=max_tokens,
+        hidden_dim=hidden,
+        dtype=dtype,
+    )
+
+    def trtllm(x, residual, weight):
+        norm_out, res_out = torch.empty_like(x), torch.empty_like(residual)
+        fic.allreduce_fusion(
+            input=x,
+            workspace=fws,
+            pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
+            launch_with_pdl=False,
+            residual_out=res_out,
+            norm_out=norm_out,
+            residual_in=residual,
+            rms_gamma=weight,
+            rms_eps=EPS,
+            fp32_acc=True,
+        )
+        return norm_out, res_out
+
+    return trtllm
+
+
 def _rank_backends(
     rank: int, settings: TuneSettings, gloo: Any, add_rmsnorm: Callable, skipped: dict[str, str]
 ) -> dict[str, Callable]:
@@ -233,32 +269,7 @@ def _rank_backends(
         skipped["trtllm"] = skipped["pcie_ipc"] = f"flashinfer not importable: {exc}"[:300]
         return backends
     try:
-        fws = fic.create_allreduce_fusion_workspace(
-            backend="trtllm",
-            world_size=settings.tp,
-            rank=rank,
-            max_token_num=max_tokens,
-            hidden_dim=hidden,
-            dtype=dtype,
-        )
-
-        def trtllm(x, residual, weight):
-            norm_out, res_out = torch.empty_like(x), torch.empty_like(residual)
-            fic.allreduce_fusion(
-                input=x,
-                workspace=fws,
-                pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
-                launch_with_pdl=False,
-                residual_out=res_out,
-                norm_out=norm_out,
-                residual_in=residual,
-                rms_gamma=weight,
-                rms_eps=EPS,
-                fp32_acc=True,
-            )
-            return norm_out, res_out
-
-        backends["trtllm"] = trtllm
+        backends["trtllm"] = flashinfer_trtllm_fused(rank, settings.tp, max_tokens, hidden, dtype)
     except Exception as exc:
         skipped["trtllm"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
     if dtype == torch.bfloat16:
@@ -305,7 +316,7 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
                 def call(fn=fn, x=xs[rank], residual=residual, weight=weight):
                     return fn(x, residual, weight)
 
-                us = _time_graph(call, stream, settings, gloo)
+                us = time_graph(call, stream, settings.calls, settings.replays, gloo)
                 rows.append((name, tokens, us, correct, "" if correct else why))
             except Exception as exc:  # a backend failing must not hide the others
                 rows.append(
@@ -316,7 +327,9 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
     dist.destroy_process_group()
 
 
-def _time_graph(body: Callable[[], Any], stream: Any, settings: TuneSettings, gloo: Any) -> float:
+def time_graph(body: Callable[[], Any], stream: Any, calls: int, replays: int, gloo: Any) -> float:
+    """``calls`` repetitions of body() captured in one graph, replayed in step with the other
+    ranks of ``gloo`` (one process per GPU); microseconds per call."""
     import torch
     import torch.distributed as dist
 
@@ -326,11 +339,11 @@ def _time_graph(body: Callable[[], Any], stream: Any, settings: TuneSettings, gl
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(settings.calls):
+        for _ in range(calls):
             body()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     mine = []
-    for _ in range(settings.replays + 1):
+    for _ in range(replays + 1):
         dist.barrier(group=gloo)
         with torch.cuda.stream(stream):
             start.record()
@@ -338,9 +351,9 @@ def _time_graph(body: Callable[[], Any], stream: Any, settings: TuneSettings, gl
             end.record()
         torch.cuda.synchronize()
         mine.append(start.elapsed_time(end))
-    everyone: list[Any] = [None] * settings.tp
+    everyone: list[Any] = [None] * dist.get_world_size(gloo)
     dist.all_gather_object(everyone, mine[1:], group=gloo)
-    return per_call_us(everyone, settings.calls)
+    return per_call_us(everyone, calls)
 
 
 def _tune_multiprocess(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
