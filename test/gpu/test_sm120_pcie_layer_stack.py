@@ -1,4 +1,5 @@
-"""The sm120_pcie backend in a captured layer stack gives the layer outputs of all-reduce + norm.
+"""The sm120_pcie backend, routed by the plugin's plan, in a captured layer stack gives the
+layer outputs of all-reduce + norm.
 
 A small DeepSeek-shaped stack per rank (two fused points per layer: after the attention output
 projection and after the MoE down projection, each a row-parallel GEMM on the rank's weight
@@ -23,8 +24,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "sgl-kernel-sm120" / "python") not in sys.path:
-    sys.path.append(str(ROOT / "sgl-kernel-sm120" / "python"))
+for source in (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python"):
+    if str(source) not in sys.path:
+        sys.path.append(str(source))  # GPU boxes without the packages installed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,11 +55,53 @@ def make_weights(world_size: int, seed: int = 0):
     return layers
 
 
+def sm120_pcie_plan(world_size: int):
+    """The plugin's plan on an 8x RTX PRO 6000 host with a tuning table in which sm120_pcie won
+    up to 8 tokens and NCCL above: the stack routes each point as the server would."""
+    import dataclasses
+
+    from sglang_sm120.facts import load_profile
+    from sglang_sm120.policy import Deployment, plan_allreduce
+    from sglang_sm120.tuning import Measurement, TuningTable
+
+    facts = load_profile("rtx-pro-6000-x8-pcie")
+    facts = dataclasses.replace(facts, versions={**facts.versions, "sgl-kernel-sm120": "local"})
+    table = TuningTable(
+        {},
+        world_size,
+        HIDDEN,
+        "bfloat16",
+        (
+            Measurement("sm120_pcie", 8, 10.0, True),
+            Measurement("nccl", 8, 200.0, True),
+            Measurement("sm120_pcie", 64, 90.0, True),
+            Measurement("nccl", 64, 60.0, True),
+        ),
+    )
+    deployment = Deployment(world_size, model_arch="DeepseekV3ForCausalLM", tuning=table)
+    return plan_allreduce(facts, deployment, {"DeepseekV3ForCausalLM"})
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("tokens", [4, 32])
 def test_captured_stack_matches_allreduce_plus_norm(world_size, tokens):
     sk = pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not importable")
     from sgl_kernel_sm120.testing import TOLERANCES, LocalRanks, max_violation, reference_fused
+    from sglang_sm120.tune import make_add_rmsnorm
+
+    plan = sm120_pcie_plan(world_size)
+    assert plan.fusion_backend == "sm120_pcie" and plan.plain_allreduce == "sm120_pcie"
+    fused_here = plan.uses_sm120_pcie_at(tokens)
+    assert fused_here == (tokens <= 8)
+    add_rmsnorm, _ = make_add_rmsnorm(HIDDEN, torch.bfloat16)
+
+    def point(partial, residual, weight, ws):
+        """What the server runs at one point: the fused kernel where the plan routes it, else
+        the unfused path: all-reduce (ours standing in for NCCL, which cannot run two ranks on
+        one GPU), then a separate add + RMSNorm kernel."""
+        if fused_here:
+            return sk.fused_allreduce_add_rmsnorm(partial, residual, weight, EPS, ws)
+        return add_rmsnorm(sk.all_reduce(partial, ws), residual, weight)
 
     layers = make_weights(world_size)
     # Ranks share one GPU here: a rank's GEMM must find SMs free of its peers' spinning
@@ -73,9 +117,7 @@ def test_captured_stack_matches_allreduce_plus_norm(world_size, tokens):
         for layer in layers:
             for proj, norm in (("attn", "norm1"), ("moe", "norm2")):
                 partial = h @ layer[proj][rank]
-                h, residual_out = sk.fused_allreduce_add_rmsnorm(
-                    partial, residual, layer[norm], EPS, ws
-                )
+                h, residual_out = point(partial, residual, layer[norm], ws)
                 seen.append((partial, residual, h, residual_out))
                 residual = residual_out
         points[rank] = seen
@@ -84,12 +126,12 @@ def test_captured_stack_matches_allreduce_plus_norm(world_size, tokens):
         # Run before any rank spins on its peers: cuBLAS sets up on first use per stream, and
         # the caching allocator keeps blocks per stream, so an allocation that needs a new
         # cudaMalloc would wait for the spinning kernels. Grow this stream's pool to the
-        # stack's peak (a partial and two outputs per point) without communicating.
+        # stack's peak (a partial and up to three outputs per point) without communicating.
         kept = []
         for layer in layers:
             for proj in ("attn", "moe"):
                 partial = static_in @ layer[proj][rank]
-                kept += [partial, torch.empty_like(partial), torch.empty_like(partial)]
+                kept += [partial] + [torch.empty_like(partial) for _ in range(3)]
 
     try:
         ranks.run(warm_up_stream)
