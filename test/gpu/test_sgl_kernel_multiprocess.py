@@ -144,6 +144,10 @@ def _timeout(rank: int, world_size: int) -> None:
     ws = sk.CommWorkspace.create(dist.group.WORLD, MAX_TOKENS, HIDDEN, timeout_ms=timeout_ms)
     try:
         xs, _, _ = _inputs(world_size, 4, seed=0)
+        # Processes time-slice this GPU: line the ranks up first, so that the warm-up call is not
+        # judged by one rank's slow first kernels (random inputs) against the 500 ms bound.
+        torch.cuda.synchronize()
+        dist.barrier()
         sk.all_reduce(xs[rank], ws)  # every rank: warm-up, so the timed call below is plain
         torch.cuda.synchronize()
         ws.check_error()
