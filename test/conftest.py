@@ -1,11 +1,26 @@
-"""Shared fixtures: config-only model directories (enough for ServerArgs resolution on CPU)."""
+"""Shared setup and fixtures.
+
+- The repository's sources stand in for packages that are not installed (GPU boxes without
+  sglang get neither the plugin nor, before a build, sgl-kernel-sm120); installed ones win.
+- CUDA modules load eagerly: tests that emulate ranks as streams of one process have them spin
+  on each other, and a lazily loaded kernel would wait for them.
+- Config-only model directories, enough for ServerArgs resolution on CPU.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+ROOT = Path(__file__).resolve().parents[1]
+for source in (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python"):
+    if str(source) not in sys.path:
+        sys.path.append(str(source))
 
 DEEPSEEK_V3_TEXT = {
     "model_type": "deepseek_v3",

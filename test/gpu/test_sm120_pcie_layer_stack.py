@@ -13,20 +13,8 @@ does not hide or fake a per-point error."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-for source in (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python"):
-    if str(source) not in sys.path:
-        sys.path.append(str(source))  # GPU boxes without the packages installed
 
 pytestmark = [
     pytest.mark.gpu,

@@ -5,20 +5,8 @@ measured with ranks sharing one GPU, refuse it with that reason)."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-for source in (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python"):
-    if str(source) not in sys.path:
-        sys.path.append(str(source))  # GPU boxes without the packages installed
 
 pytestmark = [
     pytest.mark.gpu,

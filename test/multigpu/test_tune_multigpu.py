@@ -7,16 +7,8 @@ ranks as streams is test/gpu/test_tune.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-for source in (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python"):
-    if str(source) not in sys.path:
-        sys.path.append(str(source))
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.multigpu
