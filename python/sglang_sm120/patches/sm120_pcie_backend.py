@@ -22,6 +22,7 @@ Removal: when upstream ships a fused all-reduce + RMSNorm staged for PCIe on SM1
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
@@ -34,6 +35,9 @@ FUSION = "sglang.srt.layers.flashinfer_comm_fusion"
 RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 BACKEND = "sm120_pcie"
 FALLBACK_ROWS = 256  # when the runner's decode width is unknown (no CUDA-graph config)
+# A server rank can trail its peers by a JIT build during warmup, far beyond the kernel
+# package's 5 s default; still a bound, and SGL_KERNEL_SM120_TIMEOUT_MS overrides it.
+SERVER_TIMEOUT_MS = 60_000
 CONTRACT = (
     Symbol(
         f"{FUSION}.ensure_workspace_initialized",
@@ -98,6 +102,7 @@ def _workspace(use_attn_tp_group: bool, hidden: int | None = None, dtype: Any = 
     from sglang.srt.distributed.device_communicators.pcie_ipc_ar import _decode_width
 
     rows = _decode_width() or FALLBACK_ROWS
+    timeout_ms = int(os.environ.get("SGL_KERNEL_SM120_TIMEOUT_MS") or SERVER_TIMEOUT_MS)
     try:
         _workspaces[key] = sk.CommWorkspace.create(
             coordinator.cpu_group,
@@ -105,6 +110,7 @@ def _workspace(use_attn_tp_group: bool, hidden: int | None = None, dtype: Any = 
             hidden=hidden,
             dtype=dtype or torch.bfloat16,
             device=torch.cuda.current_device(),
+            timeout_ms=timeout_ms,
         )
         log_once(
             logging.INFO,
