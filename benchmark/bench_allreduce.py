@@ -50,10 +50,11 @@ from sgl_kernel_sm120.testing import LocalRanks
 
 if importlib.util.find_spec("sglang_sm120") is None:  # plugin not installed: use the sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from sglang_sm120.tune import TOKENS as TUNE_TOKENS
 from sglang_sm120.tune import flashinfer_trtllm_fused, make_add_rmsnorm, time_local
 from sglang_sm120.tune import time_graph as time_graph_in_step
 
-TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+TOKENS = list(TUNE_TOKENS)
 EPS = 1e-6
 COLUMNS = ["ours_plain", "ours_fused", "ours_unfused", "nccl_norm", "fi_trtllm_fused", "fi_pcie"]
 HEADERS = {

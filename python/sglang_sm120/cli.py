@@ -138,7 +138,7 @@ def _plugin_state() -> dict[str, Any]:
 
     from sglang_sm120.contract import check
     from sglang_sm120.patches import PATCHES
-    from sglang_sm120.plugin import _REGISTRY_CONTRACT
+    from sglang_sm120.plugin import declared_contract
     from sglang_sm120.runtime import PATCH_STATUS
 
     discovered = any(
@@ -149,9 +149,7 @@ def _plugin_state() -> dict[str, Any]:
         "entry_point_discovered": discovered,
         "patches": dict(PATCH_STATUS)
         or {"(none)": "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"},
-        "contract_problems": check(
-            tuple(s for m in PATCHES for s in m.CONTRACT) + _REGISTRY_CONTRACT
-        ),
+        "contract_problems": check(declared_contract(PATCHES)),
     }
 
 

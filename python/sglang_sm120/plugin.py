@@ -26,6 +26,11 @@ _REGISTRY_CONTRACT = (
 )
 
 
+def declared_contract(modules) -> tuple[Symbol, ...]:
+    """Every upstream symbol ``modules`` touch, plus the registry pieces the loader uses."""
+    return tuple(s for m in modules for s in m.CONTRACT) + _REGISTRY_CONTRACT
+
+
 def _targets(module) -> tuple[str, ...]:
     return tuple(target for target, _, _ in module.HOOKS)
 
@@ -60,10 +65,11 @@ def apply_patches() -> dict[str, str]:
         _set_all(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)
     cap = load_capability()
-    needed = [m for m in PATCHES if m.not_needed(cap) is None]
+    why_not = {module: module.not_needed(cap) for module in PATCHES}
+    needed = [module for module, reason in why_not.items() if reason is None]
+    for module, reason in why_not.items():  # in ledger order, which doctor keeps
+        PATCH_STATUS[patch_name(module)] = "pending" if reason is None else f"not needed ({reason})"
     if not needed:
-        for module in PATCHES:
-            PATCH_STATUS[patch_name(module)] = f"not needed ({module.not_needed(cap)})"
         return dict(PATCH_STATUS)
     installed = metadata.version("sglang")
     if installed != SGLANG_PIN:
@@ -75,7 +81,7 @@ def apply_patches() -> dict[str, str]:
         return dict(PATCH_STATUS)
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    problems = check(tuple(s for m in needed for s in m.CONTRACT) + _REGISTRY_CONTRACT)
+    problems = check(declared_contract(needed))
     if problems:
         reason = f"upstream contract mismatch with sglang {installed}: {problems[0]}"
         log_once(
@@ -83,11 +89,7 @@ def apply_patches() -> dict[str, str]:
         )
         _set_all(f"refused ({reason})")
         return dict(PATCH_STATUS)
-    for module in PATCHES:
-        why_not = module.not_needed(cap)
-        if why_not is not None:
-            PATCH_STATUS[patch_name(module)] = f"not needed ({why_not})"
-            continue
+    for module in needed:
         for target, hook, hook_type in module.HOOKS:
             HookRegistry.register(target, hook, hook_type)
         _apply_hooks_for(_targets(module))

@@ -10,7 +10,7 @@ from sglang_sm120.contract import Symbol, check, mismatch
 from sglang_sm120.patches import PATCHES, patch_name
 from sglang_sm120.runtime import PATCH_STATUS
 
-FULL_CONTRACT = tuple(s for m in PATCHES for s in m.CONTRACT) + plugin._REGISTRY_CONTRACT
+FULL_CONTRACT = plugin.declared_contract(PATCHES)
 
 
 def test_installed_sglang_matches_every_declared_symbol():

@@ -99,10 +99,11 @@ def _workspace(use_attn_tp_group: bool, hidden: int | None = None, dtype: Any = 
         return _workspaces.get(key)
     import sgl_kernel_sm120 as sk
     import torch
+    from sgl_kernel_sm120.config import ENV_TIMEOUT_MS
     from sglang.srt.distributed.device_communicators.pcie_ipc_ar import _decode_width
 
     rows = _decode_width() or FALLBACK_ROWS
-    timeout_ms = int(os.environ.get("SGL_KERNEL_SM120_TIMEOUT_MS") or SERVER_TIMEOUT_MS)
+    timeout_ms = int(os.environ.get(ENV_TIMEOUT_MS) or SERVER_TIMEOUT_MS)
     try:
         _workspaces[key] = sk.CommWorkspace.create(
             coordinator.cpu_group,
