@@ -42,7 +42,7 @@ import torch
 
 try:
     import sgl_kernel_sm120 as sk
-except ImportError:  # not installed: use the sources (library from $SGL_KERNEL_SM120_LIBRARY)
+except ImportError:  # not installed: use the sources (library from $SGLANG_SM120_KERNEL_LIBRARY)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel-sm120" / "python"))
     import sgl_kernel_sm120 as sk
 
@@ -387,7 +387,11 @@ def main() -> None:
             "calls": args.calls,
             "replays": args.replays,
             "dtype": "bfloat16",
-            "env": {k: v for k, v in os.environ.items() if k.startswith("SGL_KERNEL_SM120_")},
+            "env": {
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith(("SGLANG_SM120_", "SGL_KERNEL_SM120_"))
+            },
         },
         "elapsed_s": round(time.time() - started, 1),
         "results": results,

@@ -650,7 +650,7 @@ def modelled_row(
 
 def import_kernel_package() -> Any:
     """sgl_kernel_sm120, installed or from this checkout's sources (library found by the
-    package itself, or via $SGL_KERNEL_SM120_LIBRARY); raises when its library cannot load."""
+    package itself, or via $SGLANG_SM120_KERNEL_LIBRARY); raises when its library cannot load."""
     try:
         import sgl_kernel_sm120 as sk
     except ImportError:

@@ -5,7 +5,6 @@ over a gloo group. Ranks use GPU `rank % device_count`: on one GPU the processes
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ except ImportError:  # not installed: use the sources (the library then comes fr
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "python"))
     import sgl_kernel_sm120 as sk
 
-from sgl_kernel_sm120 import _lib
+from sgl_kernel_sm120 import _lib, env
 from sgl_kernel_sm120.testing import (
     TOLERANCES,
     max_violation,
@@ -45,8 +44,8 @@ def _library() -> None:
     try:
         _lib.lib()
     except _lib.LibraryError as exc:
-        if os.environ.get("SGL_KERNEL_SM120_REQUIRED") == "1":
-            pytest.fail(f"SGL_KERNEL_SM120_REQUIRED=1 but the library is unusable: {exc}")
+        if env.get(env.KERNEL_REQUIRED) == "1":
+            pytest.fail(f"{env.KERNEL_REQUIRED}=1 but the library is unusable: {exc}")
         pytest.skip(f"sgl-kernel-sm120 library not built: {exc}")
 
 

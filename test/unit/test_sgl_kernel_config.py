@@ -16,7 +16,7 @@ except ImportError:  # not installed: the pure-Python parts import from the sour
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "python"))
     import sgl_kernel_sm120 as sk
 
-from sgl_kernel_sm120 import _lib, config, workspace
+from sgl_kernel_sm120 import _lib, config, env, workspace
 
 KIB, MIB = 1 << 10, 1 << 20
 CPU = torch.device("cpu")
@@ -24,13 +24,10 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in (
-        config.ENV_ONESHOT_MAX_BYTES,
-        config.ENV_BLOCK_BYTES,
-        config.ENV_MAX_BLOCKS,
-        config.ENV_TIMEOUT_MS,
-    ):
-        monkeypatch.delenv(name, raising=False)
+    for name, old_names in env.DEPRECATED.items():
+        for variable in (name, *old_names):
+            monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(env, "_warned", set())  # each test sees its process's first warning
 
 
 # --------------------------------------------------------------------------- sizing
@@ -113,8 +110,70 @@ def test_settings_resolve_argument_over_environment_over_default(monkeypatch):
 
 def test_bad_environment_values_are_named(monkeypatch):
     monkeypatch.setenv(config.ENV_BLOCK_BYTES, "lots")
-    with pytest.raises(ValueError, match="SGL_KERNEL_SM120_BLOCK_BYTES='lots' is not an integer"):
+    with pytest.raises(ValueError, match="SGLANG_SM120_BLOCK_BYTES='lots' is not an integer"):
         sk.resolve_tuning(4)
+
+
+def test_variables_are_named_sglang_sm120_so_sglangs_sgl_rename_leaves_them_alone():
+    names = [env.TIMEOUT_MS, env.KERNEL_REQUIRED, env.CUDA_ARCHS, env.KERNEL_LIBRARY]
+    names += [env.BLOCK_BYTES, env.MAX_BLOCKS, env.ONESHOT_MAX_BYTES]
+    assert sorted(env.DEPRECATED) == sorted(names)
+    assert all(name.startswith("SGLANG_SM120_") for name in names)
+    assert config.ENV_TIMEOUT_MS == "SGLANG_SM120_TIMEOUT_MS"
+    assert _lib.ENV_LIBRARY == "SGLANG_SM120_KERNEL_LIBRARY"
+
+
+def test_new_name_is_read_without_a_warning(monkeypatch, recwarn):
+    monkeypatch.setenv("SGLANG_SM120_TIMEOUT_MS", "1500")
+    assert sk.resolve_tuning(2).timeout_ms == 1500
+    assert not [w for w in recwarn if issubclass(w.category, env.DeprecatedVariableWarning)]
+
+
+@pytest.mark.parametrize(
+    "old_name",
+    # the package's first name, and what SGLang's SGL_* -> SGLANG_* rewrite turns it into
+    ["SGL_KERNEL_SM120_TIMEOUT_MS", "SGLANG_KERNEL_SM120_TIMEOUT_MS"],
+)
+def test_old_name_still_works_with_one_warning_per_process_naming_the_new_one(
+    monkeypatch, old_name
+):
+    monkeypatch.setenv(old_name, "1500")
+    with pytest.warns(env.DeprecatedVariableWarning) as caught:
+        timeouts = [sk.resolve_tuning(2).timeout_ms for _ in range(3)]
+    assert timeouts == [1500, 1500, 1500]
+    deprecations = [w for w in caught if issubclass(w.category, env.DeprecatedVariableWarning)]
+    assert len(deprecations) == 1, [str(w.message) for w in deprecations]
+    assert f"${old_name} is deprecated: set $SGLANG_SM120_TIMEOUT_MS" in str(
+        deprecations[0].message
+    )
+
+
+def test_new_name_wins_over_the_old_one(monkeypatch):
+    monkeypatch.setenv("SGL_KERNEL_SM120_MAX_BLOCKS", "8")
+    monkeypatch.setenv("SGLANG_SM120_MAX_BLOCKS", "4")
+    assert sk.resolve_tuning(2).max_blocks == 4
+
+
+@pytest.mark.parametrize(
+    ("new", "old"),
+    [
+        ("SGLANG_SM120_KERNEL_REQUIRED", "SGL_KERNEL_SM120_REQUIRED"),
+        ("SGLANG_SM120_KERNEL_LIBRARY", "SGL_KERNEL_SM120_LIBRARY"),
+        ("SGLANG_SM120_CUDA_ARCHS", "SGL_KERNEL_SM120_CUDA_ARCHS"),
+        ("SGLANG_SM120_BLOCK_BYTES", "SGL_KERNEL_SM120_BLOCK_BYTES"),
+        ("SGLANG_SM120_ONESHOT_MAX_BYTES", "SGL_KERNEL_SM120_ONESHOT_MAX_BYTES"),
+    ],
+)
+def test_every_old_name_maps_to_its_new_name(monkeypatch, new, old):
+    monkeypatch.setenv(old, "7")
+    with pytest.warns(env.DeprecatedVariableWarning, match=f"set \\${new} instead"):
+        assert env.get(new) == "7"
+
+
+def test_library_override_reads_the_old_name_too(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGL_KERNEL_SM120_LIBRARY", str(tmp_path / "lib.so"))
+    with pytest.warns(env.DeprecatedVariableWarning):
+        assert _lib.library_path() == tmp_path / "lib.so"
 
 
 def test_default_block_cap_keeps_all_ranks_resident_on_a_shared_gpu():

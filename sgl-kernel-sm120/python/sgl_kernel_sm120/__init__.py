@@ -20,7 +20,8 @@ CUDA graph. Larger (prefill) messages belong to NCCL: the workspace refuses them
 Ops: torch.ops.sgl_kernel_sm120.all_reduce(inp, workspace_id, variant) and
 torch.ops.sgl_kernel_sm120.fused_allreduce_add_rmsnorm(x, residual, weight, eps, workspace_id,
 variant) (variant -1 = by size, 0 one-shot, 1 two-shot). Sizing: `workspace_bytes`. Settings:
-SGL_KERNEL_SM120_ONESHOT_MAX_BYTES, _BLOCK_BYTES, _MAX_BLOCKS, _TIMEOUT_MS (see README.md).
+SGLANG_SM120_ONESHOT_MAX_BYTES, _BLOCK_BYTES, _MAX_BLOCKS, _TIMEOUT_MS (see README.md; the old
+SGL_KERNEL_SM120_* names still work, with a warning: `env.py`).
 """
 
 from .config import (

@@ -8,8 +8,9 @@ machines without a GPU or without the built library.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
+
+from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
 ABI_VERSION = 1
@@ -30,7 +31,7 @@ DEBUG_SINGLE_BUFFER = 1
 IPC_HANDLE_BYTES = 64
 
 LIBRARY_NAME = "libsgl_kernel_sm120.so"
-ENV_LIBRARY = "SGL_KERNEL_SM120_LIBRARY"
+ENV_LIBRARY = env.KERNEL_LIBRARY
 
 _c_ptrs = ctypes.c_void_p * MAX_RANKS
 
@@ -76,8 +77,8 @@ _lib: ctypes.CDLL | None = None
 
 
 def library_path() -> Path:
-    """Where the library is loaded from: $SGL_KERNEL_SM120_LIBRARY or next to this file."""
-    override = os.environ.get(ENV_LIBRARY)
+    """Where the library is loaded from: $SGLANG_SM120_KERNEL_LIBRARY or next to this file."""
+    override = env.get(ENV_LIBRARY)
     return Path(override) if override else Path(__file__).with_name(LIBRARY_NAME)
 
 

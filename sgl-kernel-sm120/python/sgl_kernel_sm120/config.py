@@ -8,15 +8,14 @@ settings that `CommWorkspace.create` checks to be equal across ranks.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
-from . import _lib
+from . import _lib, env
 
-ENV_ONESHOT_MAX_BYTES = "SGL_KERNEL_SM120_ONESHOT_MAX_BYTES"
-ENV_BLOCK_BYTES = "SGL_KERNEL_SM120_BLOCK_BYTES"
-ENV_MAX_BLOCKS = "SGL_KERNEL_SM120_MAX_BLOCKS"
-ENV_TIMEOUT_MS = "SGL_KERNEL_SM120_TIMEOUT_MS"
+ENV_ONESHOT_MAX_BYTES = env.ONESHOT_MAX_BYTES
+ENV_BLOCK_BYTES = env.BLOCK_BYTES
+ENV_MAX_BLOCKS = env.MAX_BLOCKS
+ENV_TIMEOUT_MS = env.TIMEOUT_MS
 
 MIN_WORLD_SIZE = 2
 MAX_WORLD_SIZE = _lib.MAX_RANKS
@@ -46,9 +45,11 @@ def default_oneshot_max_bytes(world_size: int) -> int:
     return (256 << 10) // world_size // VECTOR_BYTES * VECTOR_BYTES
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
+def env_int(name: str) -> int | None:
+    """Positive integer from variable `name` (or its deprecated spelling, see env.py); None
+    when unset; ValueError naming the variable when it is not a positive integer."""
+    raw = env.get(name)
+    if raw is None:
         return None
     try:
         value = int(raw, 0)
@@ -86,10 +87,10 @@ def resolve_tuning(
     so a rank whose blocks cannot be scheduled would stall everyone until the timeout.
     """
     check_world_size(world_size)
-    oneshot = oneshot_max_bytes or _env_int(ENV_ONESHOT_MAX_BYTES)
+    oneshot = oneshot_max_bytes or env_int(ENV_ONESHOT_MAX_BYTES)
     oneshot = oneshot or default_oneshot_max_bytes(world_size)
-    block = block_bytes or _env_int(ENV_BLOCK_BYTES) or DEFAULT_BLOCK_BYTES
-    blocks = max_blocks or _env_int(ENV_MAX_BLOCKS)
+    block = block_bytes or env_int(ENV_BLOCK_BYTES) or DEFAULT_BLOCK_BYTES
+    blocks = max_blocks or env_int(ENV_MAX_BLOCKS)
     if blocks is None:
         blocks = DEFAULT_MAX_BLOCKS
         if resident_blocks is not None:
@@ -108,7 +109,7 @@ def resolve_tuning(
             f"max_blocks={blocks} x {ranks_per_gpu} ranks on one GPU exceeds the "
             f"{resident_blocks} blocks it can hold at once: the spinning kernels would deadlock"
         )
-    timeout = timeout_ms or _env_int(ENV_TIMEOUT_MS) or DEFAULT_TIMEOUT_MS
+    timeout = timeout_ms or env_int(ENV_TIMEOUT_MS) or DEFAULT_TIMEOUT_MS
     return Tuning(
         oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
         block_bytes=_round_up(block, VECTOR_BYTES),

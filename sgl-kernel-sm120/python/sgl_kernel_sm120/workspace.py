@@ -248,7 +248,7 @@ class CommWorkspace:
         if len(set(all_settings)) != 1:
             raise WorkspaceError(
                 "ranks disagree on (max_bytes, oneshot_max_bytes, block_bytes, max_blocks): "
-                f"{all_settings}; use the same arguments and SGL_KERNEL_SM120_* variables"
+                f"{all_settings}; use the same arguments and SGLANG_SM120_* variables"
             )
 
         # Stage 2: P2P between every pair of distinct GPUs.
