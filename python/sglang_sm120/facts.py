@@ -67,9 +67,10 @@ class HostFacts:
     versions: dict[str, str | None] = field(default_factory=dict)
     probe_error: str | None = None
 
-    def gpu_subset(self, count: int) -> tuple[GpuInfo, ...]:
-        """The GPUs a tensor-parallel group of ``count`` ranks uses (the first ``count``)."""
-        return self.gpus[:count]
+    def gpus_at(self, indices: Iterable[int]) -> tuple[GpuInfo, ...]:
+        """The GPUs with these CUDA indices, in that order; indices past the last GPU are left
+        out (the caller compares lengths to say that too few GPUs are visible)."""
+        return tuple(self.gpus[i] for i in indices if 0 <= i < len(self.gpus))
 
     def missing_p2p_pairs(self, indices: Iterable[int]) -> list[tuple[int, int]]:
         """Pairs among ``indices`` that cannot access each other's memory directly."""

@@ -1,9 +1,20 @@
-"""Loading the plugin: check the upstream contract, apply the patches the hardware needs,
-confirm each really took effect, and record a status per patch for ``doctor`` and the logs.
+"""Loading the plugin as a guest of SGLang's plugin loader.
 
-Order of refusals (first match wins; each is logged once and recorded as the patch status):
-``SGLANG_SM120_DISABLE=1`` -> no patch needed here (no SM12x GPU) -> sglang version is not the
-pinned one -> a contract symbol does not match. ``register()`` never raises.
+SGLang's ``load_plugins()`` runs every plugin's ``register()`` and then applies all registered
+hooks once (``HookRegistry.apply_hooks``), so two plugins hooking one target compose into one
+chain. ``register()`` therefore only *registers*: it never applies hooks itself. What was really
+applied is checked afterwards by ``verify_applied()``, which walks each target's applied chain
+(the registry's wrappers, down ``__wrapped__``) looking for our hook functions; the
+``status_line`` patch calls it right after SGLang configures logging, which is after
+``apply_hooks``.
+
+Each process registers only what runs in it (``runtime.process_role``): the launcher the
+server-args pass, a scheduler process the worker-side seams, the detokenizer nothing. Resolving a
+hook target imports its module, and the worker modules cost seconds to import.
+
+Order of refusals (first match wins; recorded as the patch status, WARNING/ERROR logged once):
+``SGLANG_SM120_DISABLE=1`` -> not used in this process -> not needed on this hardware -> sglang
+version is not the pinned one -> a contract symbol does not match. ``register()`` never raises.
 """
 
 from __future__ import annotations
@@ -11,43 +22,39 @@ from __future__ import annotations
 import logging
 import os
 from importlib import metadata
+from typing import Any
 
 from sglang_sm120 import SGLANG_PIN, __version__
 from sglang_sm120.contract import Symbol, check, resolve
-from sglang_sm120.runtime import PATCH_STATUS, load_capability, log_once, logger
+from sglang_sm120.runtime import (
+    PATCH_STATUS,
+    log_once,
+    logger,
+    process_role,
+    sm12x_capability,
+    worker_capability,
+)
 
 DISABLE_ENV = "SGLANG_SM120_DISABLE"
-_REGISTRY = "sglang.srt.plugins.hook_registry.HookRegistry"
-# The private registry pieces used to apply only our own targets.
+_WRAPPER_HOOK_NAME = "hook"  # the closure variable of the registry's wrappers holding the hook
 _REGISTRY_CONTRACT = (
-    Symbol(f"{_REGISTRY}._apply_target", "function", params=("target", "hooks")),
-    Symbol(f"{_REGISTRY}._hooks", "attribute"),
-    Symbol(f"{_REGISTRY}._patched", "attribute", type_name="set"),
+    Symbol(
+        "sglang.srt.plugins.hook_registry.HookRegistry.register",
+        "function",
+        params=("target", "hook", "hook_type", "source"),
+    ),
+    Symbol(
+        "sglang.srt.plugins.hook_registry._wrap_fn",
+        "function",
+        params=("original_fn", "hook", "hook_type"),
+    ),
 )
+ROLE_NAMES = {"launcher": "launcher", "scheduler": "TP worker", "detokenizer": "detokenizer"}
 
 
 def declared_contract(modules) -> tuple[Symbol, ...]:
-    """Every upstream symbol ``modules`` touch, plus the registry pieces the loader uses."""
+    """Every upstream symbol ``modules`` touch, plus the registry pieces the loader relies on."""
     return tuple(s for m in modules for s in m.CONTRACT) + _REGISTRY_CONTRACT
-
-
-def _targets(module) -> tuple[str, ...]:
-    return tuple(target for target, _, _ in module.HOOKS)
-
-
-def _apply_hooks_for(targets: tuple[str, ...]) -> None:
-    """Apply the registry's hooks for our targets only (other plugins' targets stay for
-    ``load_plugins`` to apply), exactly as ``HookRegistry.apply_hooks`` does per target."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    for target in targets:
-        if target not in HookRegistry._patched:
-            HookRegistry._apply_target(target, HookRegistry._hooks[target])
-            HookRegistry._patched.add(target)
-
-
-def _hooks_in_effect(module) -> bool:
-    return all(hasattr(resolve(target), "__wrapped__") for target in _targets(module))
 
 
 def _set_all(status: str) -> None:
@@ -57,18 +64,38 @@ def _set_all(status: str) -> None:
         PATCH_STATUS[patch_name(module)] = status
 
 
-def apply_patches() -> dict[str, str]:
-    """Apply what this host needs; returns (and records) the status of every patch."""
+def _refuse(modules, reason: str) -> None:
+    from sglang_sm120.patches import patch_name
+
+    for module in modules:
+        PATCH_STATUS[patch_name(module)] = f"refused ({reason})"
+
+
+def _capability_for(role: str):
+    """A worker: the TP group's GPUs as the launcher saw them. The launcher: the visible SM12x
+    GPUs (a host may also hold other cards; the plan decides on the TP group's own GPUs)."""
+    return worker_capability() if role == "scheduler" else sm12x_capability()
+
+
+def register_patches(role: str) -> dict[str, str]:
+    """Register the hooks ``role`` needs with SGLang's registry; returns (and records) every
+    patch's status. Hooks are applied by SGLang's loader, not here."""
     from sglang_sm120.patches import PATCHES, patch_name
 
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         _set_all(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)
-    cap = load_capability()
-    why_not = {module: module.not_needed(cap) for module in PATCHES}
-    needed = [module for module, reason in why_not.items() if reason is None]
-    for module, reason in why_not.items():  # in ledger order, which doctor keeps
-        PATCH_STATUS[patch_name(module)] = "pending" if reason is None else f"not needed ({reason})"
+    cap = _capability_for(role)
+    needed = []
+    for module in PATCHES:  # in ledger order, which doctor keeps
+        name = patch_name(module)
+        if role not in module.ROLES:
+            PATCH_STATUS[name] = f"not used in the {ROLE_NAMES[role]}"
+            continue
+        reason = module.not_needed(cap)
+        PATCH_STATUS[name] = "registered" if reason is None else f"not needed ({reason})"
+        if reason is None:
+            needed.append(module)
     if not needed:
         return dict(PATCH_STATUS)
     installed = metadata.version("sglang")
@@ -77,7 +104,7 @@ def apply_patches() -> dict[str, str]:
             f"sglang {installed} installed, sglang-sm120 {__version__} supports {SGLANG_PIN} only"
         )
         log_once(logging.ERROR, f"sglang-sm120: applying nothing: {reason}")
-        _set_all(f"refused ({reason})")
+        _refuse(needed, reason)
         return dict(PATCH_STATUS)
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -87,33 +114,73 @@ def apply_patches() -> dict[str, str]:
         log_once(
             logging.ERROR, f"sglang-sm120 {__version__}: applying nothing: " + "; ".join(problems)
         )
-        _set_all(f"refused ({reason})")
+        _refuse(needed, reason)
         return dict(PATCH_STATUS)
     for module in needed:
         for target, hook, hook_type in module.HOOKS:
             HookRegistry.register(target, hook, hook_type)
-        _apply_hooks_for(_targets(module))
-        if hasattr(module, "after_apply"):
-            module.after_apply()
-        verified = (
-            module.is_applied() if hasattr(module, "is_applied") else _hooks_in_effect(module)
-        )
-        PATCH_STATUS[patch_name(module)] = (
-            "applied" if verified else "refused (target not patched after applying; see the log)"
-        )
+        if hasattr(module, "apply_setting"):
+            module.apply_setting()
     return dict(PATCH_STATUS)
+
+
+def applied_hooks(target: str) -> list[Any]:
+    """The hook functions in ``target``'s applied chain, outermost first."""
+    hooks, fn, seen = [], resolve(target), set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        code = getattr(fn, "__code__", None)
+        if code is not None and _WRAPPER_HOOK_NAME in code.co_freevars and fn.__closure__:
+            hooks.append(fn.__closure__[code.co_freevars.index(_WRAPPER_HOOK_NAME)].cell_contents)
+        fn = getattr(fn, "__wrapped__", None)
+    return hooks
+
+
+def _missing_effect(module) -> str | None:
+    """Why ``module`` is not in effect, or None when every hook of it is in its target's chain,
+    every copy SGLang calls is the patched object, and its setting holds."""
+    for target, hook, _ in module.HOOKS:
+        if hook not in applied_hooks(target):
+            return f"{hook.__name__} is not in the applied chain of {target}"
+    for target, copies in getattr(module, "COPIES", {}).items():
+        for copy in copies:
+            if resolve(copy) is not resolve(target):
+                return f"{copy} still holds the unpatched {target}"
+    if hasattr(module, "is_applied") and not module.is_applied():
+        return "its setting did not take effect"
+    return None
+
+
+def verify_applied() -> dict[str, str]:
+    """Check, after SGLang applied the registered hooks, that each registered patch is in effect;
+    returns (and records) every patch's status."""
+    from sglang_sm120.patches import PATCHES, patch_name
+
+    for module in PATCHES:
+        name = patch_name(module)
+        if PATCH_STATUS.get(name) != "registered":
+            continue
+        problem = _missing_effect(module)
+        PATCH_STATUS[name] = "applied" if problem is None else f"refused ({problem})"
+        if problem is not None:
+            log_once(logging.ERROR, f"sglang-sm120: patch {name} not in effect: {problem}")
+    return dict(PATCH_STATUS)
+
+
+def status_line(role: str) -> str:
+    """The one line per process that says what the plugin does here."""
+    cap = _capability_for(role)
+    summary = ", ".join(f"{name}={status}" for name, status in PATCH_STATUS.items())
+    return (
+        f"sglang-sm120 {__version__} ({ROLE_NAMES[role]}): {'; '.join(cap.reasons)}; "
+        f"patches: {summary}"
+    )
 
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Never raises."""
     try:
-        statuses = apply_patches()
-        cap = load_capability()
-        summary = ", ".join(f"{name}={status}" for name, status in statuses.items())
-        log_once(
-            logging.INFO,
-            f"sglang-sm120 {__version__}: {'; '.join(cap.reasons)}; patches: {summary}",
-        )
+        register_patches(process_role())
     except Exception:
         logger.exception("sglang-sm120: plugin failed to load; SGLang runs unpatched")
         _set_all("refused (plugin error; see the log)")

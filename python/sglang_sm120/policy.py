@@ -3,8 +3,8 @@
 Nothing here probes hardware or imports sglang; patches and the CLI call these functions with
 facts they were given. Two questions are answered:
 
-- ``hardware_capability(facts, tp_size)``: what this host can run at all (used by the patches
-  that load before server args exist);
+- ``hardware_capability(facts, gpu_ids)``: what the TP group's GPUs can run at all (used by the
+  patches that load before server args exist);
 - ``plan_allreduce(facts, deployment, fusion_archs)``: what a given server launch should use.
 
 Rules (the README's table; test/unit/test_policy.py checks each row):
@@ -18,13 +18,15 @@ Rules (the README's table; test/unit/test_policy.py checks each row):
 * Plain all-reduce: upstream's FlashInfer PCIe-IPC kernels at TP 2/4/8 on single-node, PCIe-only,
   all-pairs-P2P SM12x hosts, ahead of the fused backend's all-to-all kernel; NCCL otherwise.
 * The user's explicit choices win (``--enforce-disable-flashinfer-allreduce-fusion``, an explicit
-  backend, ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``) unless the hardware cannot run them: then the
-  choice is refused with its reason and NCCL is used.
+  backend, ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``, also over ``sm120_pcie``'s plain all-reduce)
+  unless the hardware cannot run them: then the choice is refused with its reason and NCCL is used.
+* The TP group's GPUs are the ones SGLang gives its ranks: ``--base-gpu-id`` + rank x
+  ``--gpu-id-step`` (``Deployment.gpu_ids``), not simply the first ``tp`` visible ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,10 @@ class Deployment:
     plugin_backend: str | None = None
     tuning: TuningTable | None = None
     tuning_note: str = ""
+    gpu_ids: tuple[int, ...] | None = None  # None: the first tp_size visible GPUs
+
+    def tp_gpu_ids(self) -> tuple[int, ...]:
+        return self.gpu_ids if self.gpu_ids is not None else tuple(range(self.tp_size))
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,23 @@ class Capability:
     fusion_capable: bool
     pcie_ipc_capable: bool
     reasons: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sm12x": self.sm12x,
+            "fusion_capable": self.fusion_capable,
+            "pcie_ipc_capable": self.pcie_ipc_capable,
+            "reasons": list(self.reasons),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Capability:
+        return cls(
+            sm12x=bool(data["sm12x"]),
+            fusion_capable=bool(data["fusion_capable"]),
+            pcie_ipc_capable=bool(data["pcie_ipc_capable"]),
+            reasons=tuple(str(r) for r in data["reasons"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -98,6 +121,16 @@ class AllReducePlan:
             "routes": {str(tokens): backend for tokens, backend in self.routes},
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AllReducePlan:
+        return cls(
+            managed=bool(data["managed"]),
+            fusion_backend=data["fusion_backend"],
+            plain_allreduce=str(data["plain_allreduce"]),
+            reasons=tuple(str(r) for r in data["reasons"]),
+            routes=tuple(sorted((int(t), str(b)) for t, b in data["routes"].items())),
+        )
+
     def summary(self) -> str:
         fusion = self.fusion_backend or "off"
         return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(
@@ -105,11 +138,12 @@ class AllReducePlan:
         )
 
 
-def hardware_capability(facts: HostFacts, tp_size: int | None = None) -> Capability:
-    """Whether the (first ``tp_size``) GPUs are SM12x, and what their links allow."""
+def hardware_capability(facts: HostFacts, gpu_ids: Sequence[int] | None = None) -> Capability:
+    """Whether the GPUs ``gpu_ids`` (default: every visible GPU) are SM12x, and what their
+    links allow."""
     if facts.probe_error and not facts.gpus:
         return Capability(False, False, False, (f"no GPU facts: {facts.probe_error}",))
-    gpus = facts.gpu_subset(tp_size or len(facts.gpus))
+    gpus = facts.gpus_at(gpu_ids if gpu_ids is not None else range(len(facts.gpus)))
     if not gpus:
         return Capability(False, False, False, ("no NVIDIA GPU visible",))
     if any(g.capability[0] != 12 for g in gpus):
@@ -287,16 +321,20 @@ def _plan_plain(
             "nccl",
             "plain all-reduce NCCL: deterministic inference (PCIe-IPC picks tactics per shape)",
         )
-    if fusion == "sm120_pcie":
+    if fusion == "sm120_pcie" and d.pcie_ipc_env is None:
         return "sm120_pcie", (
             "plain all-reduce sgl-kernel-sm120 up to its workspace "
             "(max_bs x draft tokens x hidden); larger ones: NCCL"
         )
     if d.dtype is not None and d.dtype != "bfloat16":
-        return "nccl", f"plain all-reduce NCCL: PCIe-IPC serves bf16 only, model dtype is {d.dtype}"
+        refused = " (SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused)" if d.pcie_ipc_env else ""
+        return "nccl", (
+            f"plain all-reduce NCCL{refused}: PCIe-IPC serves bf16 only, model dtype is {d.dtype}"
+        )
     ahead = ", ahead of the fused backend's all-to-all kernel" if fusion else ""
+    why = ", SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 set by the user" if d.pcie_ipc_env else ""
     return "pcie_ipc", (
-        f"plain all-reduce PCIe-IPC{ahead}: staged push kernels for decode/verify-sized "
+        f"plain all-reduce PCIe-IPC{ahead}{why}: staged push kernels for decode/verify-sized "
         "reductions (max_bs x draft tokens x hidden); larger ones stay on NCCL's ring"
     )
 
@@ -305,12 +343,17 @@ def plan_allreduce(
     facts: HostFacts, deployment: Deployment, fusion_archs: Collection[str]
 ) -> AllReducePlan:
     """The all-reduce plan for one launch. Pure: same inputs, same plan."""
-    cap = hardware_capability(facts, deployment.tp_size)
+    gpu_ids = deployment.tp_gpu_ids()
+    cap = hardware_capability(facts, gpu_ids)
     if not cap.sm12x:
         return AllReducePlan(False, None, "upstream", cap.reasons)
-    if deployment.nnodes == 1 and deployment.tp_size > len(facts.gpus):
+    if deployment.nnodes == 1 and len(facts.gpus_at(gpu_ids)) < len(gpu_ids):
         tp = deployment.tp_size
-        reason = f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
+        reason = (
+            f"tp={tp} needs GPUs {list(gpu_ids)}, {len(facts.gpus)} visible: NCCL"
+            if deployment.gpu_ids is not None
+            else f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
+        )
         return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
     fusion, fusion_reason, routes = _plan_fusion(cap, facts, deployment, fusion_archs)
     plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)

@@ -1,16 +1,30 @@
-"""Glue between a running sglang process and the policy: build ``Deployment`` from what sglang
-resolved, compute the plan, record patch statuses, and log each decision once per process.
+"""Glue between a running SGLang process and the policy: which process this is, the plan it
+follows, the patch statuses it records, and its log lines.
 
-Patches call ``plan_for_view`` (launcher, while server args resolve) or ``plan_for_runtime``
-(scheduler/TP workers, after the runtime context is published); they never decide themselves.
+SGLang runs the plugin in several processes (UPSTREAM.md section 7):
+
+- the launcher (``launch_server``, ``sglang serve``, an ``Engine``) resolves the server args.
+  ``plan_for_view`` plans there from the real server args, for the GPUs the TP group will use
+  (``--base-gpu-id``, ``--gpu-id-step``), and publishes the plan in ``SGLANG_SM120_LAUNCH_PLAN``,
+  which every process it spawns inherits;
+- the TP workers (scheduler processes) follow that plan (``worker_plan``): they cannot re-derive
+  it, since the resolved server args no longer say what the user asked for, and a worker may see
+  one GPU only (``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1``). Without a published plan the worker
+  patches hand every call to upstream unchanged, and say so once.
+
+Log lines: ``load_plugins()`` runs before SGLang configures logging (launcher, workers), so INFO
+lines wait in ``announce`` until ``logging_configured()`` is called by the ``status_line`` patch,
+right after SGLang's own ``configure_logger``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
+import sys
 from typing import Any
 
 from sglang_sm120.facts import current_facts
@@ -28,24 +42,67 @@ from sglang_sm120.tuning import load_table
 logger = logging.getLogger("sglang_sm120")
 
 PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
+LAUNCH_PLAN_ENV = "SGLANG_SM120_LAUNCH_PLAN"
 
-#: patch name -> "applied" | "not needed (...)" | "refused (...)" | "disabled (...)"
+#: patch name -> "applied" | "registered" | "not needed (...)" | "refused (...)" | ...
 PATCH_STATUS: dict[str, str] = {}
 _logged: set[str] = set()
+_pending: list[tuple[int, str]] = []
+_logging_ready: list[bool] = [False]
 _last_plan: list[AllReducePlan] = []
+
+# Module SGLang's scheduler lives in: a process that has loaded it runs (or will import and run)
+# model code; one with only the detokenizer loaded is the detokenizer.
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+DETOKENIZER_MODULE = "sglang.srt.managers.detokenizer_manager"
+
+
+_role: list[str] = []
+
+
+def process_role() -> str:
+    """``scheduler`` (TP workers, and Engine/DP-controller processes, which import the scheduler),
+    ``detokenizer``, or ``launcher``: decided once, from what SGLang had loaded when it first
+    asked (``load_plugins()``); the launcher imports the scheduler later, to spawn it."""
+    if not _role:
+        if SCHEDULER_MODULE in sys.modules:
+            _role.append("scheduler")
+        elif DETOKENIZER_MODULE in sys.modules:
+            _role.append("detokenizer")
+        else:
+            _role.append("launcher")
+    return _role[0]
 
 
 def log_once(level: int, message: str) -> None:
-    """Log ``message`` the first time this process sees it."""
-    if message not in _logged:
-        _logged.add(message)
+    """Log ``message`` the first time this process sees it. WARNING and above go out at once
+    (Python prints them even before logging is configured); INFO waits for SGLang's logging."""
+    if message in _logged:
+        return
+    _logged.add(message)
+    if level >= logging.WARNING or _logging_ready[0]:
+        logger.log(level, message)
+    else:
+        _pending.append((level, message))
+
+
+def logging_configured(first: str) -> None:
+    """SGLang has configured this process's logging: log ``first`` (the status line), then
+    what waited for it."""
+    _logging_ready[0] = True
+    log_once(logging.INFO, first)
+    waiting, _pending[:] = list(_pending), []
+    for level, message in waiting:
         logger.log(level, message)
 
 
 @functools.cache
-def load_capability() -> Capability:
-    """What every visible GPU allows (tp size not yet known when the plugin loads)."""
-    return hardware_capability(current_facts())
+def sm12x_capability() -> Capability:
+    """What the visible SM12x GPUs allow (every visible GPU when none is SM12x): the launcher's
+    first look, before server args say which GPUs the TP group uses."""
+    facts = current_facts()
+    sm12x = [g.index for g in facts.gpus if g.capability[0] == 12]
+    return hardware_capability(facts, sm12x or None)
 
 
 def fusion_archs() -> frozenset[str]:
@@ -82,12 +139,19 @@ def with_tuning(deployment: Deployment, hidden: int | None, dtype: str | None) -
     """The deployment plus this host's tuning table for its shape, if there is a fresh one."""
     if hidden is None or dtype is None or deployment.tp_size <= 1:
         return deployment
-    table, note = load_table(current_facts(), deployment.tp_size, hidden, dtype)
+    table, note = load_table(
+        current_facts(), deployment.tp_size, hidden, dtype, deployment.tp_gpu_ids()
+    )
     return dataclasses.replace(deployment, tuning=table, tuning_note=note)
 
 
+def tp_gpu_ids(tp_size: int, base_gpu_id: int, gpu_id_step: int) -> tuple[int, ...]:
+    """The CUDA indices SGLang gives TP ranks 0..tp-1 on one node (as its engine computes)."""
+    return tuple(base_gpu_id + rank * gpu_id_step for rank in range(tp_size))
+
+
 def deployment_from_view(view: Any) -> Deployment:
-    """Read a Deployment from sglang's resolution view (launcher / Engine process)."""
+    """Read a Deployment from SGLang's resolution view (launcher / Engine process)."""
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.runtime_context import attn_dp_enabled_of
 
@@ -105,34 +169,9 @@ def deployment_from_view(view: Any) -> Deployment:
         pcie_ipc_env=pcie_ipc_env(),
         deterministic=bool(view.enable_deterministic_inference),
         plugin_backend=plugin_backend(),
+        gpu_ids=tp_gpu_ids(view.tp_size, view.base_gpu_id, view.gpu_id_step),
     )
     return with_tuning(deployment, model_config.hidden_size, dtype)
-
-
-def deployment_from_runtime(
-    *, deterministic: bool | None = None, hidden: int | None = None, dtype: str | None = None
-) -> Deployment:
-    """Read a Deployment from the published runtime context (scheduler / TP worker process).
-
-    Only the fields the worker-side patches need are filled: the fusion backend has already
-    been resolved in the launcher, so model architecture and dtype stay unknown here.
-    """
-    from sglang.srt.environ import envs
-    from sglang.srt.runtime_context import get_exec, get_parallel
-
-    parallel = get_parallel()
-    if deterministic is None:
-        deterministic = bool(envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get())
-    deployment = Deployment(
-        tp_size=parallel.tp_size,
-        nnodes=parallel.nnodes,
-        dtype=None,
-        fusion_backend_flag=get_exec().comm.flashinfer_allreduce_fusion_backend,
-        pcie_ipc_env=pcie_ipc_env(),
-        deterministic=deterministic,
-        plugin_backend=plugin_backend(),
-    )
-    return with_tuning(deployment, hidden, dtype)
 
 
 def plan_for(deployment: Deployment, where: str) -> AllReducePlan:
@@ -147,18 +186,64 @@ def plan_for(deployment: Deployment, where: str) -> AllReducePlan:
 
 
 def last_plan() -> AllReducePlan | None:
-    """The most recent plan this process computed (for reports), or None."""
+    """The most recent plan this process computed or received (for reports), or None."""
     return _last_plan[0] if _last_plan else None
 
 
 def plan_for_view(view: Any) -> AllReducePlan:
-    return plan_for(deployment_from_view(view), "server args")
+    """The launcher's plan, published to the workers it spawns."""
+    deployment = deployment_from_view(view)
+    plan = plan_for(deployment, "server args")
+    capability = hardware_capability(current_facts(), deployment.tp_gpu_ids())
+    os.environ[LAUNCH_PLAN_ENV] = json.dumps(
+        {
+            "tp_size": deployment.tp_size,
+            "gpu_ids": list(deployment.tp_gpu_ids()),
+            "capability": capability.to_json(),
+            "plan": plan.to_json(),
+        }
+    )
+    _launch_plan.cache_clear()
+    return plan
 
 
 @functools.cache
-def plan_for_runtime(
-    *, deterministic: bool | None = None, hidden: int | None = None, dtype: str | None = None
-) -> AllReducePlan:
-    """The worker's plan; cached, since the fused-point hooks ask on every eager call."""
-    deployment = deployment_from_runtime(deterministic=deterministic, hidden=hidden, dtype=dtype)
-    return plan_for(deployment, "worker")
+def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
+    raw = os.environ.get(LAUNCH_PLAN_ENV)
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+        return (
+            int(data["tp_size"]),
+            Capability.from_json(data["capability"]),
+            AllReducePlan.from_json(data["plan"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        log_once(logging.WARNING, f"sglang-sm120: {LAUNCH_PLAN_ENV} unreadable ({exc}): ignored")
+        return None
+
+
+def worker_plan() -> AllReducePlan | None:
+    """The launcher's plan, in a worker; None when the launcher published none (the worker
+    patches then leave every decision to upstream)."""
+    launched = _launch_plan()
+    if launched is None:
+        return None
+    tp_size, _, plan = launched
+    _last_plan[:] = [plan]
+    if plan.managed:
+        log_once(logging.INFO, f"sglang-sm120 plan (from launcher, tp={tp_size}): {plan.summary()}")
+    return plan
+
+
+def worker_tp_size() -> int | None:
+    launched = _launch_plan()
+    return launched[0] if launched else None
+
+
+def worker_capability() -> Capability:
+    """What the TP group's GPUs allow, as the launcher saw them (a worker may see only its own
+    GPU); the visible GPUs when no launcher published a plan."""
+    launched = _launch_plan()
+    return launched[1] if launched else sm12x_capability()

@@ -77,9 +77,12 @@ class TuningTable:
         )
 
 
-def host_fingerprint(facts: HostFacts, tp: int) -> dict[str, Any]:
-    """What makes measurements transferable: the TP GPUs, their links, driver and versions."""
-    gpus = facts.gpu_subset(tp)
+def host_fingerprint(
+    facts: HostFacts, tp: int, gpu_ids: tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    """What makes measurements transferable: the TP GPUs (``gpu_ids``, default the first
+    ``tp``), their links, driver and versions; not their indices."""
+    gpus = facts.gpus_at(gpu_ids if gpu_ids is not None else range(tp))
     indices = [g.index for g in gpus]
     return {
         "gpus": [[g.name, g.sm] for g in gpus],
@@ -114,10 +117,10 @@ def save_table(table: TuningTable) -> Path:
 
 
 def load_table(
-    facts: HostFacts, tp: int, hidden: int, dtype: str
+    facts: HostFacts, tp: int, hidden: int, dtype: str, gpu_ids: tuple[int, ...] | None = None
 ) -> tuple[TuningTable | None, str]:
     """The table for this host and shape, or None with the reason (missing, stale, unreadable)."""
-    fingerprint = host_fingerprint(facts, tp)
+    fingerprint = host_fingerprint(facts, tp, gpu_ids)
     path = table_path(fingerprint, tp, hidden, dtype)
     if not path.exists():
         others = sorted(cache_dir().glob(f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json"))

@@ -62,10 +62,10 @@ def pcie_host(monkeypatch):
 
     monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
     monkeypatch.delenv("SGLANG_SM120_DISABLE", raising=False)
-    for cached in (facts.current_facts, runtime.load_capability):
+    for cached in (facts.current_facts, runtime.sm12x_capability):
         cached.cache_clear()
     yield
-    for cached in (facts.current_facts, runtime.load_capability):
+    for cached in (facts.current_facts, runtime.sm12x_capability):
         cached.cache_clear()
     PATCH_STATUS.clear()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from sglang_sm120.patches import PATCHES, patch_name
+from sglang_sm120.runtime import LAUNCH_PLAN_ENV
 
 SCENARIO = Path(__file__).with_name("plugin_scenario.py")
 SM120 = dict(
@@ -34,6 +35,19 @@ ALL_PATCHES = {patch_name(m) for m in PATCHES}
 BEHAVIOUR_PATCHES = ALL_PATCHES - {"graph_stats"}
 
 
+def _run(phase: str, model_dir: Path, tps: tuple[int, ...], env: dict) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIO), phase, str(model_dir), *map(str, tps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SCENARIO ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("SCENARIO ")), proc.stderr
+
+
 def run_scenario(
     model_dir: Path,
     *tps: int,
@@ -41,25 +55,40 @@ def run_scenario(
     server_args: dict | None = None,
     env: dict | None = None,
 ) -> dict:
+    """One launcher process resolving every TP size, then one worker process per TP size that
+    inherits the launcher's environment as SGLang's schedulers do. Worker answers are keyed by
+    TP size; ``patches``/``resolve``/``chains``/``add_norm_sm90_constant`` are the first
+    worker's; ``log`` holds every process's stderr."""
     full_env = {
         **os.environ,
         "SGLANG_SM120_TOPOLOGY": profile,
         "SCENARIO_SERVER_ARGS": json.dumps(server_args or {}),
     }
-    full_env.pop("SGLANG_SM120_DISABLE", None)
-    full_env.pop("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", None)
+    for name in ("SGLANG_SM120_DISABLE", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", LAUNCH_PLAN_ENV):
+        full_env.pop(name, None)
     full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIO), str(model_dir), *map(str, tps)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("SCENARIO ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1].removeprefix("SCENARIO "))
-    result["log"] = proc.stderr
+    launched, launcher_log = _run("launcher", model_dir, tps, full_env)
+    result: dict = {
+        "launcher_patches": launched["patches"],
+        "fusion_backend": launched["fusion_backend"],
+        "launch_plan": launched["launch_plan"],
+        "launcher_log": launcher_log,
+        "log": launcher_log,
+    }
+    for tp in tps:
+        worker_env = {
+            **full_env,
+            "SCENARIO_FUSION_BACKEND": launched["fusion_backend"][str(tp)] or "",
+        }
+        if launched["launch_plan"][str(tp)] is not None:
+            worker_env[LAUNCH_PLAN_ENV] = launched["launch_plan"][str(tp)]
+        answers, worker_log = _run("worker", model_dir, (tp,), worker_env)
+        result["log"] += worker_log
+        result.setdefault("worker_log", {})[str(tp)] = worker_log
+        for key in ("ar_fusion_applies", "pcie_ipc_eligible", "flashinfer_allreduce_only"):
+            result.setdefault(key, {})[str(tp)] = answers[key]
+        for key in ("patches", "resolve", "chains", "add_norm_sm90_constant"):
+            result.setdefault(key, answers[key])
     return result
 
 

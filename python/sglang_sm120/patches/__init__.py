@@ -2,17 +2,22 @@
 
 | module               | upstream seam                                | effect on SM12x            |
 |----------------------|----------------------------------------------|----------------------------|
+| status_line          | utils.common.configure_logger                | one status line / process  |
 | fusion_auto_enable   | arg_groups/overrides auto-enable pass        | plan's fusion backend      |
 | resolve_backend      | flashinfer_comm_fusion._resolve_backend      | trtllm resolves, no crash  |
 | fusion_applies       | add_norm._is_sm90_supported (per-call gate)  | fused points run           |
 | workspace_preflight  | trtllm workspace sizing (multicast query)    | preflight passes on PCIe   |
 | pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
 | allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
-| sm120_pcie_backend   | FlashInfer fusion entry points, graph replay | fused points -> our kernel |
+| sm120_pcie_backend   | FlashInfer fusion entry points               | fused points -> our kernel |
+| peer_check           | SchedulerOutputStreamer.stream_output        | no output after a timeout  |
 | graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
 
-A patch module provides ``CONTRACT`` (the upstream symbols it touches), ``HOOKS`` (hook-registry
-rows), ``not_needed(capability)`` and optionally ``after_apply()`` / ``is_applied()``.
+A patch module provides ``ROLES`` (the processes it is registered in: ``launcher``,
+``scheduler``), ``CONTRACT`` (the upstream symbols it touches), ``HOOKS`` (hook-registry rows),
+``not_needed(capability)`` and optionally ``COPIES`` (``from X import`` copies SGLang calls,
+which must be the patched object), ``apply_setting()`` / ``is_applied()`` (a plain setting
+instead of a hook, and the check of its effect).
 """
 
 from sglang_sm120.patches import (
@@ -21,12 +26,15 @@ from sglang_sm120.patches import (
     fusion_auto_enable,
     graph_stats,
     pcie_ipc_enable,
+    peer_check,
     resolve_backend,
     sm120_pcie_backend,
+    status_line,
     workspace_preflight,
 )
 
 PATCHES = (
+    status_line,
     fusion_auto_enable,
     resolve_backend,
     fusion_applies,
@@ -34,6 +42,7 @@ PATCHES = (
     pcie_ipc_enable,
     allreduce_precedence,
     sm120_pcie_backend,
+    peer_check,
     graph_stats,
 )
 

@@ -5,10 +5,10 @@ Why: with a FlashInfer fusion backend on, ``bootstrap._set_all_reduce_flags`` ca
     ``GroupCoordinator.all_reduce`` sends every plain all-reduce to the TRT-LLM Lamport
     all-to-all kernel before custom all-reduce and PCIe-IPC are even considered. Over PCIe that
     kernel collapses as concurrent writers grow (TP4/TP8), while PCIe-IPC stages its pushes.
-How: BEFORE hook: when the plan's plain all-reduce is ``pcie_ipc``, the flag is passed as False,
-    so groups are not tagged and plain reductions follow upstream's normal order
-    (custom AR -> PCIe-IPC -> NCCL). The fused points (all-reduce + residual + RMSNorm) still use
-    the fused backend; they do not go through this flag.
+How: BEFORE hook: when the launcher's plan says plain all-reduces use ``pcie_ipc``, the flag
+    is passed as False, so groups are not tagged and plain reductions follow upstream's normal
+    order (custom AR -> PCIe-IPC -> NCCL). The fused points (all-reduce + residual + RMSNorm)
+    still use the fused backend; they do not go through this flag.
 Upstream: none filed; precedence is upstream's deliberate default for NVLink hosts.
 Removal: when upstream orders PCIe-IPC ahead of the fused backend's plain all-reduce on PCIe.
 """
@@ -21,7 +21,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
 from sglang_sm120.policy import Capability
-from sglang_sm120.runtime import log_once, plan_for_runtime
+from sglang_sm120.runtime import log_once, worker_plan
 
 TARGET = "sglang.srt.distributed.parallel_state.set_flashinfer_allreduce_only"
 CONTRACT = (
@@ -33,6 +33,7 @@ CONTRACT = (
         reads=("_ENABLE_FLASHINFER_ALLREDUCE_ONLY",),
     ),
 )
+ROLES = ("scheduler",)
 
 
 def not_needed(cap: Capability) -> str | None:
@@ -41,7 +42,8 @@ def not_needed(cap: Capability) -> str | None:
 
 def keep_plain_allreduce_on_pcie_ipc(*args, **kwargs):
     enable = kwargs.get("enable", args[0] if args else False)
-    if not enable or plan_for_runtime().plain_allreduce != "pcie_ipc":
+    plan = worker_plan()
+    if not enable or plan is None or plan.plain_allreduce != "pcie_ipc":
         return None
     log_once(
         logging.INFO,

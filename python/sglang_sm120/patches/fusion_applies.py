@@ -29,13 +29,14 @@ CONTRACT = (
     Symbol(CONSTANT, "attribute", type_name="bool"),
 )
 HOOKS = ()
+ROLES = ("scheduler",)
 
 
 def not_needed(cap: Capability) -> str | None:
     return None if cap.fusion_capable else cap.reasons[0]
 
 
-def after_apply() -> None:
+def apply_setting() -> None:
     import importlib
 
     importlib.import_module(MODULE)._is_sm90_supported = True

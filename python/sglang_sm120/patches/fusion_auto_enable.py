@@ -6,9 +6,12 @@ Why: ``overrides._flashinfer_allreduce_fusion_auto_enable`` enables FlashInfer's
 How: AROUND hook on the post-process pass. On SM12x hosts it returns the plan's backend:
     ``trtllm`` at TP2 or when the user asked for trtllm/auto, ``None`` with a WARNING when the
     user's choice is refused (mnnvl, cutedsl, no P2P, multi-node). Upstream's enforce-disable
-    pass runs after it and still wins. Other GPUs get upstream's answer. The pass is run by
+    pass runs after it and still wins. Other GPUs get upstream's answer. The plan is published
+    to the workers this process spawns (``runtime.plan_for_view``). The pass is run by
     ``model_hook.handle_model_specific_adjustments`` through its ``from overrides import``
-    copy, which the hook registry rebinds; ``is_applied`` checks that copy.
+    copy, which the hook registry rebinds; ``COPIES`` makes the loader check that copy.
+    Registered in the launcher and in processes that import the scheduler (an ``Engine``
+    resolves its server args in-process).
 Upstream: sgl-project/sglang PR #32330 (closed: asks for opt-in or TP gating at TP4/TP8).
 Removal: when upstream's auto-enable covers SM12x with TP/topology gating.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from sglang_sm120.contract import Symbol, resolve
+from sglang_sm120.contract import Symbol
 from sglang_sm120.policy import Capability
 from sglang_sm120.runtime import log_once, plan_for_view
 
@@ -29,6 +32,8 @@ TARGET = f"{MODULE}._flashinfer_allreduce_fusion_auto_enable"
 CALLER = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
 CALLER_COPY = "sglang.srt.arg_groups.model_hook._flashinfer_allreduce_fusion_auto_enable"
 FIELD = "flashinfer_allreduce_fusion_backend"
+ROLES = ("launcher", "scheduler")
+COPIES = {TARGET: (CALLER_COPY,)}
 CONTRACT = (
     Symbol(TARGET, "function", params=("view",)),
     Symbol(CALLER, "function", reads=("_flashinfer_allreduce_fusion_auto_enable",)),
@@ -61,12 +66,6 @@ def fusion_backend_from_plan(original, view: Any) -> dict:
     if plan.fusion_backend == requested:
         return declared
     return {**declared, FIELD: plan.fusion_backend}
-
-
-def is_applied() -> bool:
-    """The caller's copy must be the wrapper too: that copy is what runs."""
-    wrapped = resolve(TARGET)
-    return hasattr(wrapped, "__wrapped__") and resolve(CALLER_COPY) is wrapped
 
 
 HOOKS = ((TARGET, fusion_backend_from_plan, HookType.AROUND),)

@@ -7,8 +7,8 @@ How: only when ``SGLANG_SM120_STATS_DIR`` is set. AROUND hooks on
     ``DecodeCudaGraphRunner.capture_one_shape`` (captures per forward mode),
     ``DecodeCudaGraphRunner.execute`` (replays per forward mode) and
     ``flashinfer_allreduce_residual_rmsnorm`` (fused calls that returned a result while a
-    capture was running). Each process writes ``<dir>/sm120-stats-<pid>.json`` at most once a
-    second while counts change, and at exit.
+    capture was running), plus a peer timeout noted by ``peer_check``. Each process writes
+    ``<dir>/sm120-stats-<pid>.json`` at most once a second while counts change, and at exit.
 Upstream: none; test instrumentation.
 Removal: when upstream reports graph replays per forward mode and fusion use in its metrics.
 """
@@ -39,6 +39,7 @@ CONTRACT = (
     Symbol(f"{RUNNER}.execute", "function", params=("self", "forward_batch", "pp_proxy_tensors")),
     Symbol(FUSED, "function"),
 )
+ROLES = ("scheduler",)
 
 
 class GraphStats:
@@ -50,6 +51,7 @@ class GraphStats:
         self.replays: Counter[str] = Counter()
         self.fused_in_capture: Counter[str] = Counter()
         self.capturing_mode: str | None = None
+        self.peer_error: str | None = None
         self._dirty = False
         self._last_write = 0.0
 
@@ -73,6 +75,7 @@ class GraphStats:
             "graph_captures": dict(self.captures),
             "graph_replays": dict(self.replays),
             "fused_allreduce_in_capture": dict(self.fused_in_capture),
+            "peer_error": self.peer_error,
             "patches": dict(PATCH_STATUS),
         }
         tmp = self.path.with_suffix(".tmp")
@@ -132,7 +135,15 @@ def count_fused_in_capture(original, *args, **kwargs):
     return result
 
 
-def after_apply() -> None:
+def note_peer_error(message: str) -> None:
+    """Record a peer timeout (from ``peer_check``) and write the file now: the process stops."""
+    if _stats is not None:
+        _stats.peer_error = message
+        _stats._dirty = True
+        _stats.flush()
+
+
+def apply_setting() -> None:
     global _stats
     directory = Path(os.environ[STATS_ENV])
     directory.mkdir(parents=True, exist_ok=True)

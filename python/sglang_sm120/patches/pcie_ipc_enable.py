@@ -3,11 +3,13 @@
 Why: SGLang's FlashInfer PCIe-IPC all-reduce (staged push kernels, ~5-15 us vs ~205 us NCCL for
     verify-sized messages on 8x SM120) is opt-in through SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1,
     so a default launch on a PCIe-only SM120 host spends most of each EAGLE-3 verify in NCCL.
-How: AROUND hook on ``pcie_ipc_ar.eligible_group``. When the plan picks ``pcie_ipc`` and the
-    user has not set the variable, the original runs with the variable set for that call
-    (upstream still applies its own group-name, world-size and determinism rules). When the
-    user set it to 1 on a host the plan refuses (no P2P, multi-node), it returns False and
-    says why. An explicit 0 is passed through.
+How: AROUND hook on ``pcie_ipc_ar.eligible_group``, which stays a pure function of its
+    arguments and the environment: it reads the launcher's plan (``runtime.worker_plan``), never
+    the runtime context. For the TP group of the planned size: plan ``pcie_ipc`` and the variable
+    unset -> the original runs with the variable set for that call (upstream still applies its
+    own group-name, world-size and determinism rules); the user set it to 1 on a host the plan
+    refuses (no P2P, multi-node, non-bf16) -> False, said once. Everything else (other groups,
+    an explicit 0, no plan from the launcher) goes to the original unchanged.
 Upstream: none filed; the backend is opt-in by design upstream.
 Removal: when upstream enables PCIe-IPC by topology detection.
 """
@@ -20,7 +22,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
 from sglang_sm120.policy import Capability
-from sglang_sm120.runtime import log_once, pcie_ipc_env, plan_for_runtime
+from sglang_sm120.runtime import log_once, pcie_ipc_env, worker_plan, worker_tp_size
 
 TARGET = "sglang.srt.distributed.device_communicators.pcie_ipc_ar.eligible_group"
 CONTRACT = (
@@ -32,6 +34,7 @@ CONTRACT = (
     ),
     Symbol("sglang.srt.environ.envs", "attribute"),
 )
+ROLES = ("scheduler",)
 
 
 def not_needed(cap: Capability) -> str | None:
@@ -39,16 +42,14 @@ def not_needed(cap: Capability) -> str | None:
 
 
 def eligible_by_plan(original, *, group_name, world_size: int, deterministic: bool) -> bool:
-    from sglang.srt.environ import envs
-
     call = dict(group_name=group_name, world_size=world_size, deterministic=deterministic)
-    if group_name != "tp":
-        return original(**call)
-    plan = plan_for_runtime(deterministic=deterministic)
-    if not plan.managed:
+    plan = worker_plan()
+    if group_name != "tp" or plan is None or not plan.managed or world_size != worker_tp_size():
         return original(**call)
     user_choice = pcie_ipc_env()
     if plan.plain_allreduce == "pcie_ipc" and user_choice is None:
+        from sglang.srt.environ import envs
+
         with envs.SGLANG_ENABLE_PCIE_IPC_ALLREDUCE.override(True):
             return original(**call)
     if user_choice and plan.plain_allreduce != "pcie_ipc":

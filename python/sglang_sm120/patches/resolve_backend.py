@@ -4,7 +4,8 @@ Why: ``flashinfer_comm_fusion._resolve_backend`` raises ValueError unless the GP
     SM100, and nothing catches it on the warmup path: forcing
     ``--flashinfer-allreduce-fusion-backend trtllm`` on SM120 crashes the server in warmup,
     although FlashInfer's trtllm kernel is compiled for SM12x.
-How: AROUND hook. On SM12x hosts whose GPUs all have P2P, on a single node, ``auto`` and
+How: AROUND hook. On SM12x hosts whose TP GPUs all have P2P (as the launcher saw them: a
+    worker may see only its own GPU), on a single node, ``auto`` and
     ``trtllm`` resolve to ``trtllm`` and ``sm120_pcie`` (this distribution's backend) to itself;
     ``mnnvl``/``cutedsl``, multi-node, or missing P2P raise a ValueError that says why (the
     server-args patch normally refuses these before warmup).
@@ -20,10 +21,11 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
 from sglang_sm120.policy import FUSION_BACKENDS_RUNNABLE_ON_SM12X, Capability
-from sglang_sm120.runtime import load_capability
+from sglang_sm120.runtime import worker_capability
 
 TARGET = "sglang.srt.layers.flashinfer_comm_fusion._resolve_backend"
 CONTRACT = (Symbol(TARGET, "function", params=("backend", "is_multi_node")),)
+ROLES = ("scheduler",)
 
 
 def not_needed(cap: Capability) -> str | None:
@@ -31,7 +33,7 @@ def not_needed(cap: Capability) -> str | None:
 
 
 def resolve_backend_on_sm12x(original, backend: str, is_multi_node: bool = False) -> str:
-    cap = load_capability()
+    cap = worker_capability()
     if not cap.sm12x:
         return original(backend, is_multi_node)
     if backend == "sm120_pcie" and cap.fusion_capable and not is_multi_node:

@@ -20,7 +20,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
 from sglang_sm120.policy import Capability
-from sglang_sm120.runtime import load_capability
+from sglang_sm120.runtime import worker_capability
 
 TARGET = "sglang.srt.layers.flashinfer_comm_fusion._flashinfer_trtllm_workspace_allocation_sizes"
 CONTRACT = (
@@ -31,6 +31,7 @@ CONTRACT = (
         reads=("cuMulticastGetGranularity",),
     ),
 )
+ROLES = ("scheduler",)
 
 
 def not_needed(cap: Capability) -> str | None:
@@ -53,7 +54,7 @@ class UnicastDriver:
 def size_without_multicast(
     original, cuda_driver, prop, world_size, max_token_num, hidden_dim, dtype
 ):
-    if load_capability().fusion_capable:
+    if worker_capability().fusion_capable:
         cuda_driver = UnicastDriver(cuda_driver)
     return original(cuda_driver, prop, world_size, max_token_num, hidden_dim, dtype)
 

@@ -1,0 +1,41 @@
+"""Patch: one log line per process says what the plugin does there.
+
+Why: ``load_plugins()`` runs before SGLang configures logging, in the launcher and in every
+    scheduler process alike, so an INFO line logged while registering goes nowhere and the
+    user cannot see which patches are in force.
+How: AFTER hook on ``configure_logger`` (SGLang calls it once it knows the log level and the
+    process's prefix, e.g. `` TP0``, which is after ``load_plugins()`` applied every plugin's
+    hooks). It checks that each registered patch is really in its target's applied chain
+    (``plugin.verify_applied``), logs the status line (facts, every patch's status) and then the
+    INFO lines that waited, the plan among them.
+Upstream: none; upstream has no hook for "logging is ready".
+Removal: when SGLang's plugin loader reports plugin statuses itself.
+"""
+
+from __future__ import annotations
+
+from sglang.srt.plugins.hook_registry import HookType
+
+from sglang_sm120.contract import Symbol
+from sglang_sm120.policy import Capability
+
+TARGET = "sglang.srt.utils.common.configure_logger"
+CONTRACT = (Symbol(TARGET, "function", params=("server_args", "prefix")),)
+ROLES = ("launcher", "scheduler")
+
+
+def not_needed(cap: Capability) -> str | None:
+    return None  # every process that plans or patches says so
+
+
+def announce_after_logging_setup(result, *args, **kwargs) -> None:
+    from sglang_sm120 import plugin, runtime
+
+    role = runtime.process_role()
+    plugin.verify_applied()
+    runtime.logging_configured(first=plugin.status_line(role))
+    if role == "scheduler":
+        runtime.worker_plan()  # logs the plan this worker follows, if the launcher sent one
+
+
+HOOKS = ((TARGET, announce_after_logging_setup, HookType.AFTER),)
