@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -130,25 +131,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+_WORKER_REPORT = (
+    "import json, sglang.srt.managers.scheduler\n"
+    "from sglang.srt.plugins import load_plugins\n"
+    "load_plugins()\n"
+    "from sglang_sm120.plugin import verify_applied\n"
+    "print('WORKER ' + json.dumps(verify_applied()))\n"
+)
+
+
+def _worker_statuses() -> dict[str, str]:
+    """What a TP worker process applies here: loaded as SGLang's scheduler process loads it
+    (scheduler imported first), in a subprocess, so this process stays a launcher."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER_REPORT], capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("WORKER ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"(worker)": f"could not load the plugin as a TP worker would: {tail}"}
+    return json.loads(lines[-1].removeprefix("WORKER "))
+
+
 def _plugin_state() -> dict[str, Any]:
-    """Load plugins exactly as an SGLang process does, then read what ours recorded."""
+    """Load plugins exactly as an SGLang launcher does, then as a TP worker does, and report
+    what each really applied (every hook looked up in its target's applied chain)."""
     from importlib.metadata import entry_points
 
     from sglang.srt.plugins import load_plugins
 
     from sglang_sm120.contract import check
-    from sglang_sm120.patches import PATCHES
-    from sglang_sm120.plugin import declared_contract
-    from sglang_sm120.runtime import PATCH_STATUS
+    from sglang_sm120.patches import PATCHES, patch_name
+    from sglang_sm120.plugin import declared_contract, verify_applied
 
     discovered = any(
         ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
     )
     load_plugins()
+    by_process = {"launcher": verify_applied(), "TP worker": _worker_statuses()}
+    if not by_process["launcher"]:
+        unloaded = "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"
+        by_process["launcher"] = {"(none)": unloaded}
+    patches = {}
+    for module in PATCHES:  # each patch as the process that uses it reports it
+        name = patch_name(module)
+        seen = [statuses[name] for statuses in by_process.values() if name in statuses]
+        used = [status for status in seen if not status.startswith("not used in the")]
+        patches[name] = (used or seen or ["plugin not loaded"])[0]
     return {
         "entry_point_discovered": discovered,
-        "patches": dict(PATCH_STATUS)
-        or {"(none)": "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"},
+        "patches": patches,
+        "patches_by_process": by_process,
         "contract_problems": check(declared_contract(PATCHES)),
     }
 

@@ -57,6 +57,8 @@ def launcher(model_dir: str, tps: list[int]) -> dict:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import override_platform
 
+    if os.environ.get("SCENARIO_APPEND_PATH"):  # another plugin, discovered after ours
+        sys.path.append(os.environ["SCENARIO_APPEND_PATH"])
     with override_platform(**platform_facts(capability())):
         load_plugins()
         from sglang.srt.utils.common import configure_logger
@@ -73,6 +75,7 @@ def launcher(model_dir: str, tps: list[int]) -> dict:
             if tp == tps[0]:
                 configure_logger(args)
         result["patches"] = dict(PATCH_STATUS)
+        result["other_plugin_calls"] = int(os.environ.get("OTHER_PLUGIN_CALLS", 0))
         return result
 
 
@@ -95,7 +98,7 @@ def worker(model_dir: str, tp: int) -> dict:
         from sglang.srt.layers.layer_boundary.residual import add_norm
         from sglang.srt.utils.common import configure_logger
         from sglang_sm120.patches import PATCHES
-        from sglang_sm120.runtime import PATCH_STATUS
+        from sglang_sm120.runtime import PATCH_STATUS, worker_plan
 
         configure_logger(server_args(model_dir, tp), prefix=" TP0")
         # An import-time hardware fact the CPU box cannot fake through override_platform
@@ -122,6 +125,8 @@ def worker(model_dir: str, tp: int) -> dict:
             except ValueError as exc:
                 result["resolve"][backend] = f"ValueError: {exc}"
         result["add_norm_sm90_constant"] = add_norm._is_sm90_supported
+        plan = worker_plan()
+        result["worker_plan"] = plan.to_json() if plan else None
         result["chains"] = {
             target: applied_chain(target)
             for module in PATCHES

@@ -31,6 +31,7 @@ def plan_json(*args: str) -> dict:
 
 def test_plan_tp8_pcie_turns_pcie_ipc_on_with_reasons():
     plan = plan_json("--profile", "rtx-pro-6000-x8-pcie", "--tp", "8", "--model-arch", KIMI)
+    assert plan["tp"] == 8
     assert plan["plain_allreduce"] == "pcie_ipc" and plan["fusion_backend"] is None
     assert any("PCIe-IPC" in r for r in plan["reasons"]) and any(
         "#32330" in r for r in plan["reasons"]

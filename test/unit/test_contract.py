@@ -44,6 +44,18 @@ def test_changed_signature_is_named():
     assert "expected parameters ('backend',), found ('backend', 'is_multi_node')" in problem
 
 
+def test_reordered_parameters_are_a_mismatch():
+    """Positional calls break when upstream reorders parameters, even with the same names."""
+    problem = mismatch(
+        Symbol(
+            "sglang.srt.layers.flashinfer_comm_fusion._resolve_backend",
+            "function",
+            params=("is_multi_node", "backend"),
+        )
+    )
+    assert problem is not None and "expected parameters" in problem
+
+
 def test_constant_no_longer_read_is_named():
     problem = mismatch(
         Symbol(
@@ -77,13 +89,15 @@ def test_renamed_upstream_symbol_applies_nothing_and_logs_one_error(pcie_host, m
 
     monkeypatch.delattr(flashinfer_comm_fusion, "_flashinfer_trtllm_workspace_allocation_sizes")
     with caplog.at_level(logging.ERROR, logger="sglang_sm120"):
-        statuses = plugin.apply_patches()
+        statuses = plugin.register_patches("scheduler")
     assert set(statuses) == {patch_name(m) for m in PATCHES}
+    refused = {n: s for n, s in statuses.items() if not s.startswith("not needed")}
+    assert set(refused) >= {"status_line", "workspace_preflight", "pcie_ipc_enable"}
     assert all(
         s.startswith("refused (upstream contract mismatch with sglang 0.5.23:")
-        for s in statuses.values()
+        and workspace_preflight.TARGET in s
+        for s in refused.values()
     )
-    assert all(workspace_preflight.TARGET in s for s in statuses.values())
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert (
         len(errors) == 1
@@ -92,10 +106,8 @@ def test_renamed_upstream_symbol_applies_nothing_and_logs_one_error(pcie_host, m
     )
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    assert not any(
-        t.startswith("sglang.srt") and t in HookRegistry._patched
-        for t, _, _ in workspace_preflight.HOOKS
-    )
+    registered = [hook for hooks in HookRegistry._hooks.values() for _, hook, _ in hooks]
+    assert not any(hook in registered for m in PATCHES for _, hook, _ in m.HOOKS)
 
 
 def test_changed_signature_upstream_applies_nothing(pcie_host, monkeypatch):
@@ -105,27 +117,31 @@ def test_changed_signature_upstream_applies_nothing(pcie_host, monkeypatch):
         return False
 
     monkeypatch.setattr(pcie_ipc_ar, "eligible_group", eligible_group)
-    statuses = plugin.apply_patches()
+    statuses = plugin.register_patches("scheduler")
+    assert statuses["pcie_ipc_enable"].startswith("refused (")
     assert all(
         "expected parameters ('group_name', 'world_size', 'deterministic')" in s
         for s in statuses.values()
+        if not s.startswith("not needed")
     )
 
 
 def test_wrong_sglang_version_applies_nothing(pcie_host, monkeypatch):
     monkeypatch.setattr(plugin, "SGLANG_PIN", "0.5.99")
-    statuses = plugin.apply_patches()
+    statuses = plugin.register_patches("scheduler")
+    assert statuses["status_line"].startswith("refused (")
     assert all(
         s == "refused (sglang 0.5.23 installed, sglang-sm120 0.5.23.1 supports 0.5.99 only)"
         for s in statuses.values()
+        if not s.startswith("not needed")
     )
 
 
 def test_register_never_raises(monkeypatch):
-    def broken() -> dict:
+    def broken(role: str) -> dict:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(plugin, "apply_patches", broken)
+    monkeypatch.setattr(plugin, "register_patches", broken)
     plugin.register()
     assert all(s == "refused (plugin error; see the log)" for s in PATCH_STATUS.values())
     PATCH_STATUS.clear()

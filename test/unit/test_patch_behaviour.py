@@ -57,3 +57,86 @@ def test_graph_stats_file_reports_counts_per_mode(tmp_path):
     assert data["graph_captures"] == {"TARGET_VERIFY": 1}
     assert data["graph_replays"] == {"TARGET_VERIFY": 2}
     assert data["fused_allreduce_in_capture"] == {"TARGET_VERIFY": 1}
+
+
+@pytest.fixture
+def pcie_worker(monkeypatch):
+    """A worker whose facts are the 8x SM120 PCIe profile and which got no launcher plan."""
+    from sglang_sm120 import facts, runtime
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    monkeypatch.delenv(runtime.LAUNCH_PLAN_ENV, raising=False)
+    caches = (facts.current_facts, runtime.sm12x_capability, runtime._launch_plan)
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    for cached in caches:
+        cached.cache_clear()
+
+
+def test_preflight_hook_sizes_with_the_unicast_driver(pcie_worker):
+    """The hook itself must hand upstream's sizing the multicast-free driver on SM12x."""
+    from sglang.srt.layers.flashinfer_comm_fusion import (
+        _flashinfer_trtllm_workspace_allocation_sizes as upstream_sizes,
+    )
+    from sglang_sm120.patches.workspace_preflight import size_without_multicast
+
+    prop = SimpleNamespace(requestedHandleTypes=1)
+    driver = fake_cuda_driver(multicast_works=False)
+    sizes = size_without_multicast(upstream_sizes, driver, prop, 8, 2048, 7168, torch.bfloat16)
+    rounded = upstream_sizes(fake_cuda_driver(multicast_works=True), *args_of(prop))
+    assert len(sizes) == 3 and all(s % MIB2 == 0 for s in sizes)
+    assert all(s <= r for s, r in zip(sizes, rounded, strict=True))
+
+
+def args_of(prop) -> tuple:
+    return (prop, 8, 2048, 7168, torch.bfloat16)
+
+
+def test_preflight_hook_leaves_other_hosts_to_upstream(monkeypatch):
+    from sglang.srt.layers.flashinfer_comm_fusion import (
+        _flashinfer_trtllm_workspace_allocation_sizes as upstream_sizes,
+    )
+    from sglang_sm120 import facts, runtime
+    from sglang_sm120.patches.workspace_preflight import size_without_multicast
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "h200-x8-nvlink")
+    monkeypatch.delenv(runtime.LAUNCH_PLAN_ENV, raising=False)
+    for cached in (facts.current_facts, runtime.sm12x_capability, runtime._launch_plan):
+        cached.cache_clear()
+    prop = SimpleNamespace(requestedHandleTypes=1)
+    with pytest.raises(RuntimeError, match="cuMulticastGetGranularity failed"):
+        size_without_multicast(
+            upstream_sizes, fake_cuda_driver(False), prop, 8, 2048, 7168, torch.bfloat16
+        )
+    for cached in (facts.current_facts, runtime.sm12x_capability, runtime._launch_plan):
+        cached.cache_clear()
+
+
+@pytest.fixture
+def stats(tmp_path, monkeypatch):
+    from sglang_sm120.patches import graph_stats
+
+    recorder = graph_stats.GraphStats(tmp_path)
+    monkeypatch.setattr(graph_stats, "_stats", recorder)
+    return recorder
+
+
+def test_fused_calls_that_fell_back_are_not_counted(stats):
+    from sglang_sm120.patches.graph_stats import count_fused_in_capture
+
+    stats.capturing_mode = "TARGET_VERIFY"
+    fused = torch.zeros(4, 8), torch.zeros(4, 8)
+    count_fused_in_capture(lambda *a, **k: (None, None))  # upstream's unfused fallback
+    count_fused_in_capture(lambda *a, **k: fused)
+    stats.capturing_mode = None
+    count_fused_in_capture(lambda *a, **k: fused)  # eager, outside any capture
+    assert stats.fused_in_capture == {"TARGET_VERIFY": 1}
+
+
+def test_peer_error_is_written_to_the_stats_file_at_once(stats, tmp_path):
+    from sglang_sm120.patches.graph_stats import note_peer_error
+
+    note_peer_error("rank 1/2: timed out after 60000 ms waiting for rank 0")
+    data = json.loads(next(tmp_path.glob("sm120-stats-*.json")).read_text())
+    assert data["peer_error"].startswith("rank 1/2: timed out")

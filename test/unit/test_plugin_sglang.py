@@ -48,12 +48,24 @@ def _run(phase: str, model_dir: Path, tps: tuple[int, ...], env: dict) -> tuple[
     return json.loads(lines[-1].removeprefix("SCENARIO ")), proc.stderr
 
 
-def run_scenario(
+_scenarios: dict[str, dict] = {}
+
+
+def run_scenario(model_dir: Path, *tps: int, **options) -> dict:
+    """``rehearse`` once per distinct set of arguments (several tests read one scenario)."""
+    key = json.dumps([str(model_dir), tps, options], sort_keys=True, default=str)
+    if key not in _scenarios:
+        _scenarios[key] = rehearse(model_dir, *tps, **options)
+    return _scenarios[key]
+
+
+def rehearse(
     model_dir: Path,
     *tps: int,
     profile: str = "rtx-pro-6000-x8-pcie",
     server_args: dict | None = None,
     env: dict | None = None,
+    worker_env: dict | None = None,
 ) -> dict:
     """One launcher process resolving every TP size, then one worker process per TP size that
     inherits the launcher's environment as SGLang's schedulers do. Worker answers are keyed by
@@ -69,6 +81,7 @@ def run_scenario(
     full_env.update(env or {})
     launched, launcher_log = _run("launcher", model_dir, tps, full_env)
     result: dict = {
+        "other_plugin_calls": launched["other_plugin_calls"],
         "launcher_patches": launched["patches"],
         "fusion_backend": launched["fusion_backend"],
         "launch_plan": launched["launch_plan"],
@@ -76,16 +89,22 @@ def run_scenario(
         "log": launcher_log,
     }
     for tp in tps:
-        worker_env = {
+        spawned = {
             **full_env,
+            **(worker_env or {}),
             "SCENARIO_FUSION_BACKEND": launched["fusion_backend"][str(tp)] or "",
         }
         if launched["launch_plan"][str(tp)] is not None:
-            worker_env[LAUNCH_PLAN_ENV] = launched["launch_plan"][str(tp)]
-        answers, worker_log = _run("worker", model_dir, (tp,), worker_env)
+            spawned[LAUNCH_PLAN_ENV] = launched["launch_plan"][str(tp)]
+        answers, worker_log = _run("worker", model_dir, (tp,), spawned)
         result["log"] += worker_log
         result.setdefault("worker_log", {})[str(tp)] = worker_log
-        for key in ("ar_fusion_applies", "pcie_ipc_eligible", "flashinfer_allreduce_only"):
+        for key in (
+            "ar_fusion_applies",
+            "pcie_ipc_eligible",
+            "flashinfer_allreduce_only",
+            "worker_plan",
+        ):
             result.setdefault(key, {})[str(tp)] = answers[key]
         for key in ("patches", "resolve", "chains", "add_norm_sm90_constant"):
             result.setdefault(key, answers[key])
@@ -121,6 +140,14 @@ def test_upstream_alone_raises_on_forced_backend_and_gates_fusion_off():
 # --- with the plugin, through SGLang's own plugin loader ----------------------------------------
 
 
+def plan_line(log: str, where: str, tp: int) -> str:
+    """The plan summary a process logged, without the prefix that says where."""
+    marker = f"sglang-sm120 plan ({where}, tp={tp}): "
+    lines = [line.split(marker, 1)[1] for line in log.splitlines() if marker in line]
+    assert len(lines) == 1, f"expected one {marker!r} line in:\n{log[-3000:]}"
+    return lines[0]
+
+
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"])
 def test_pcie_x8_profile_gets_planned_backends(model_dirs, arch):
     result = run_scenario(model_dirs[arch], 2, 4, 8)
@@ -138,11 +165,183 @@ def test_pcie_x8_profile_gets_planned_backends(model_dirs, arch):
         and "NVLink" in result["resolve"]["mnnvl"]
     )
     assert result["add_norm_sm90_constant"] is True
-    assert result["log"].count("sglang-sm120 0.5.23.1: 8x NVIDIA RTX PRO 6000") == 1
-    assert (
-        "sglang-sm120 plan (server args, tp=8): fusion=off, plain all-reduce=pcie_ipc"
-        in result["log"]
+
+
+def test_each_process_logs_its_status_line_after_sglang_configures_logging(model_dirs):
+    """No logging.basicConfig in the rehearsed processes: only SGLang's configure_logger."""
+    result = run_scenario(model_dirs["DeepseekV3ForCausalLM"], 2, 4, 8)
+    launcher, worker = result["launcher_log"], result["worker_log"]["8"]
+    assert launcher.count("sglang-sm120 0.5.23.1 (launcher): 8x NVIDIA RTX PRO 6000") == 1
+    assert "fusion_auto_enable=applied" in launcher
+    assert "pcie_ipc_enable=not used in the launcher" in launcher
+    worker_lines = [
+        line for line in worker.splitlines() if "sglang-sm120 0.5.23.1 (TP worker)" in line
+    ]
+    assert len(worker_lines) == 1 and " TP0]" in worker_lines[0]
+    assert "pcie_ipc_enable=applied" in worker_lines[0]
+
+
+def test_launcher_registers_only_the_server_args_pass(model_dirs):
+    result = run_scenario(model_dirs["DeepseekV3ForCausalLM"], 2, 4, 8)
+    used_in_launcher = {n for n, s in result["launcher_patches"].items() if s == "applied"}
+    assert used_in_launcher == {"status_line", "fusion_auto_enable"}
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_worker_follows_the_launchers_plan_reasons_included(model_dirs, tp):
+    """At TP2 the launcher turns trtllm on by itself: the worker must not call it requested."""
+    result = run_scenario(model_dirs["KimiK25ForConditionalGeneration"], 2, 4, 8)
+    launcher_plan = plan_line(result["launcher_log"], "server args", tp)
+    assert plan_line(result["worker_log"][str(tp)], "from launcher", tp) == launcher_plan
+    assert "requested" not in launcher_plan
+
+
+def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
+    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    from sglang_sm120.facts import load_profile
+    from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+
+    rows = [
+        Measurement("sm120_pcie", tokens, us, True)
+        for tokens, us in ((4, 9.0), (64, 40.0), (256, 200.0))
+    ] + [
+        Measurement("nccl_norm", tokens, us, True)
+        for tokens, us in ((4, 20.0), (64, 30.0), (256, 90.0))
+    ]
+    table = TuningTable(
+        host_fingerprint(load_profile("rtx-pro-6000-x8-pcie"), 8), 8, 7168, "bfloat16", tuple(rows)
     )
+    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
+    try:
+        save_table(table)
+    finally:
+        del os.environ["SGLANG_SM120_CACHE_DIR"]
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        env={"SGLANG_SM120_CACHE_DIR": str(tmp_path)},
+    )
+    launched = json.loads(result["launch_plan"]["8"])["plan"]
+    assert launched["fusion_backend"] == "sm120_pcie"
+    assert launched["routes"] == {"4": "sm120_pcie", "64": "nccl_norm", "256": "nccl_norm"}
+    assert result["worker_plan"]["8"]["routes"] == launched["routes"]
+    assert plan_line(result["worker_log"]["8"], "from launcher", 8) == plan_line(
+        result["launcher_log"], "server args", 8
+    )
+
+
+def test_worker_that_sees_one_gpu_decides_from_the_tp_group(model_dirs, tmp_path):
+    """SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: each worker's NVML view is its own GPU."""
+    one_gpu = tmp_path / "one-gpu.json"
+    one_gpu.write_text(
+        json.dumps(
+            {
+                "gpus": [
+                    {"name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "capability": [12, 0]}
+                ],
+                "p2p": "all",
+            }
+        )
+    )
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        2,
+        worker_env={"SGLANG_SM120_TOPOLOGY": str(one_gpu)},
+    )
+    assert result["fusion_backend"] == {"2": "trtllm"}
+    assert {n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES} == {
+        name: "applied" for name in BEHAVIOUR_PATCHES
+    }
+    assert result["resolve"]["trtllm"] == "trtllm"
+    assert result["ar_fusion_applies"] == {"2": True}
+    assert result["pcie_ipc_eligible"] == {"2": True}
+
+
+def test_base_gpu_id_picks_the_tp_groups_gpus(model_dirs, tmp_path):
+    """GPUs 0-3 are not SM12x, 4-7 are: --base-gpu-id 4 --tp 4 runs on SM120 only."""
+    mixed = tmp_path / "mixed.json"
+    gpus = [{"name": "NVIDIA H100", "capability": [9, 0]}] * 4 + [
+        {"name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "capability": [12, 0]}
+    ] * 4
+    mixed.write_text(json.dumps({"gpus": gpus, "p2p": "all"}))
+    on_sm120 = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        4,
+        profile=str(mixed),
+        server_args={"base_gpu_id": 4},
+    )
+    launched = json.loads(on_sm120["launch_plan"]["4"])
+    assert launched["gpu_ids"] == [4, 5, 6, 7]
+    assert launched["plan"]["managed"] and launched["plan"]["plain_allreduce"] == "pcie_ipc"
+    on_h100 = run_scenario(model_dirs["KimiK25ForConditionalGeneration"], 4, profile=str(mixed))
+    assert json.loads(on_h100["launch_plan"]["4"])["plan"]["managed"] is False
+
+
+def test_fp16_model_keeps_nccl_in_the_worker(model_dirs):
+    """Upstream's PCIe-IPC serves bf16 only: the launcher plans NCCL and the worker follows."""
+    result = run_scenario(model_dirs["DeepseekV3ForCausalLM"], 8, server_args={"dtype": "float16"})
+    assert json.loads(result["launch_plan"]["8"])["plan"]["plain_allreduce"] == "nccl"
+    assert result["pcie_ipc_eligible"] == {"8": False}
+
+
+def test_users_pcie_ipc_switch_wins_over_sm120_pcie_plain_allreduce(model_dirs):
+    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        env={"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE": "1"},
+    )
+    assert result["fusion_backend"] == {"8": "sm120_pcie"}
+    assert result["pcie_ipc_eligible"] == {"8": True}
+    assert result["flashinfer_allreduce_only"] == {"8": False}
+    assert "refused" not in result["log"]
+
+
+def test_hooks_on_one_target_compose_in_the_applied_chain(model_dirs, tmp_path):
+    """graph_stats and sm120_pcie_backend both hook the fused point; both must run."""
+    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        2,
+        env={"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie", "SGLANG_SM120_STATS_DIR": str(tmp_path)},
+    )
+    assert result["patches"]["graph_stats"] == "applied"
+    assert result["patches"]["sm120_pcie_backend"] == "applied"
+    fused = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
+    assert set(result["chains"][fused]) == {"fused_by_sm120_pcie", "count_fused_in_capture"}
+    runner = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+    assert result["chains"][f"{runner}.execute"] == ["count_replays"]
+
+
+def test_another_plugin_on_the_same_target_is_applied_too(model_dirs, tmp_path):
+    """A second plugin, discovered after ours, hooks the auto-enable pass we hook: SGLang's
+    loader applies both, and the server-args resolution runs both."""
+    dist = tmp_path / "other_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: other-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nother_plugin = other_plugin:register\n"
+    )
+    (tmp_path / "other_plugin.py").write_text(
+        "import os\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry, HookType\n"
+        "def count(original, view):\n"
+        "    calls = int(os.environ.get('OTHER_PLUGIN_CALLS', 0))\n"
+        "    os.environ['OTHER_PLUGIN_CALLS'] = str(calls + 1)\n"
+        "    return original(view)\n"
+        "def register():\n"
+        "    HookRegistry.register(\n"
+        "        'sglang.srt.arg_groups.overrides._flashinfer_allreduce_fusion_auto_enable',\n"
+        "        count, HookType.AROUND)\n"
+    )
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        2,
+        env={"SCENARIO_APPEND_PATH": str(tmp_path)},
+    )
+    assert result["other_plugin_calls"] == 1
+    assert result["fusion_backend"] == {"2": "trtllm"}
+    assert result["launcher_patches"]["fusion_auto_enable"] == "applied"
 
 
 def test_explicit_trtllm_at_tp8_is_honoured(model_dirs):
@@ -193,8 +392,9 @@ def test_sm90_host_is_left_to_upstream(model_dirs):
     result = run_scenario(model_dirs["DeepseekV3ForCausalLM"], 8, profile="h200-x8-nvlink")
     assert all(
         result["patches"][name].startswith("not needed (8x NVIDIA H200 (SM90): not SM12x")
-        for name in BEHAVIOUR_PATCHES
+        for name in BEHAVIOUR_PATCHES - {"status_line"}
     )
+    assert result["patches"]["status_line"] == "applied"  # says "not SM12x" in the log
     assert result["fusion_backend"] == {"8": "auto"}
     assert result["pcie_ipc_eligible"] == {"8": False}
     assert result["flashinfer_allreduce_only"] == {"8": True}
@@ -209,13 +409,6 @@ def test_kill_switch_loads_but_applies_nothing(model_dirs):
         "ValueError: FlashInfer allreduce fusion requires"
     )
     assert result["add_norm_sm90_constant"] is False
-
-
-def test_stats_instrumentation_applies_on_request(model_dirs, tmp_path):
-    result = run_scenario(
-        model_dirs["DeepseekV3ForCausalLM"], 2, env={"SGLANG_SM120_STATS_DIR": str(tmp_path)}
-    )
-    assert result["patches"]["graph_stats"] == "applied"
 
 
 def test_sm120_pcie_backend_is_chosen_through_upstream_code_paths(model_dirs):

@@ -1,0 +1,121 @@
+"""A real SGLang launch on this CPU machine, up to CUDA init: the launcher resolves the server
+args and spawns its TP scheduler processes, which load the plugin, configure logging and only
+then fail ("Found no NVIDIA driver"). Everything the plugin does before the GPU happens in
+SGLang's own processes, started the way SGLang starts them (UPSTREAM.md section 7).
+
+Checked from the server log: one status line in the launcher and in each TP worker that got as
+far as logging, the launcher's plan and the same plan (reasons, tuning-table routes) in every
+worker, no "requested" unless requested, and the user's switches honoured.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang_sm120.facts import load_profile
+from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+
+PROFILE = "rtx-pro-6000-x8-pcie"
+STATUS = re.compile(r"^\[[^\]]*?( TP\d+)?\] sglang-sm120 0\.5\.23\.1 \((launcher|TP worker)\): ")
+PLAN = re.compile(
+    r"^\[[^\]]*?( TP\d+)?\] sglang-sm120 plan \((server args|from launcher), tp=2\): (.*)$"
+)
+
+
+def launch(command: list[str], model_dir: Path, env: dict[str, str]) -> str:
+    """Run a server launch to its CUDA-init failure; returns its whole log."""
+    full_env = {**os.environ, "SGLANG_SM120_TOPOLOGY": PROFILE, **env}
+    for name in (
+        "SGLANG_SM120_DISABLE",
+        "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE",
+        "SGLANG_SM120_LAUNCH_PLAN",
+    ):
+        if name not in env:
+            full_env.pop(name, None)
+    args = ["--model-path", str(model_dir), "--tp", "2", "--device", "cuda"]
+    proc = subprocess.Popen(
+        [*command, *args, "--skip-tokenizer-init"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Found no NVIDIA driver" in log, log[-4000:]
+    return log
+
+
+def lines_of(log: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Status lines and plan summaries, by process ("launcher", "TP0", "TP1")."""
+    status: dict[str, list[str]] = {}
+    plans: dict[str, list[str]] = {}
+    for line in log.splitlines():
+        if m := STATUS.match(line):
+            status.setdefault((m.group(1) or " launcher").strip(), []).append(line)
+        if m := PLAN.match(line):
+            plans.setdefault((m.group(1) or " launcher").strip(), []).append(m.group(3))
+    return status, plans
+
+
+def check_same_plan_everywhere(log: str) -> str:
+    status, plans = lines_of(log)
+    workers = sorted(p for p in status if p.startswith("TP"))
+    assert len(status.get("launcher", [])) == 1, log[-4000:]
+    assert workers, f"no TP worker logged its status line:\n{log[-4000:]}"
+    for worker in workers:
+        assert len(status[worker]) == 1
+        assert "(TP worker)" in status[worker][0]
+        assert "pcie_ipc_enable=applied" in status[worker][0]
+        assert plans[worker] == plans["launcher"]
+    assert "pcie_ipc_enable=not used in the launcher" in status["launcher"][0]
+    return plans["launcher"][0]
+
+
+@pytest.fixture(scope="module")
+def deepseek(model_dirs) -> Path:
+    return model_dirs["DeepseekV3ForCausalLM"]
+
+
+def test_launch_server_launcher_and_workers_share_the_plan(deepseek):
+    plan = check_same_plan_everywhere(
+        launch([sys.executable, "-m", "sglang.launch_server"], deepseek, {})
+    )
+    assert plan.startswith("fusion=trtllm, plain all-reduce=pcie_ipc; ")
+    assert "requested" not in plan
+
+
+def test_sglang_serve_loads_the_plugin_in_every_process(deepseek):
+    sglang_cli = Path(sys.executable).with_name("sglang")
+    plan = check_same_plan_everywhere(launch([str(sglang_cli), "serve"], deepseek, {}))
+    assert plan.startswith("fusion=trtllm, plain all-reduce=pcie_ipc; ")
+
+
+def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path):
+    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    fingerprint = host_fingerprint(load_profile(PROFILE), 2)
+    rows = [Measurement("sm120_pcie", t, us, True) for t, us in ((4, 5.0), (64, 50.0))]
+    rows += [Measurement("nccl_norm", t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
+    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
+    try:
+        save_table(TuningTable(fingerprint, 2, 7168, "bfloat16", tuple(rows)))
+    finally:
+        del os.environ["SGLANG_SM120_CACHE_DIR"]
+    env = {"SGLANG_SM120_CACHE_DIR": str(tmp_path), "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE": "0"}
+    plan = check_same_plan_everywhere(
+        launch([sys.executable, "-m", "sglang.launch_server"], deepseek, env)
+    )
+    assert plan.startswith("fusion=sm120_pcie, plain all-reduce=nccl; ")
+    assert "fastest correct in the tuning table at [4] tokens" in plan
+    assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user" in plan
