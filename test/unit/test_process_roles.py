@@ -19,10 +19,10 @@ before = set(sys.modules)
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 load_plugins()
-from sglang_sm120.runtime import PATCH_STATUS, process_role
+from sglang_sm120.runtime import PATCH_STATUS
 ours = sorted(t for t, hooks in HookRegistry._hooks.items()
               if any(getattr(h, "__module__", "").startswith("sglang_sm120") for _, h, _ in hooks))
-print("PROBE " + json.dumps({"role": process_role(), "patches": PATCH_STATUS, "hooked": ours,
+print("PROBE " + json.dumps({"patches": PATCH_STATUS, "hooked": ours,
                              "new_sglang_modules": sorted(m for m in set(sys.modules) - before
                                                           if m.startswith("sglang."))}))
 """
@@ -51,7 +51,6 @@ def probe(entry_module: str) -> dict:
 @pytest.mark.parametrize("entry", ["sglang.launch_server", "sglang.cli.serve"])
 def test_launcher_imports_no_worker_module(entry):
     result = probe(entry)
-    assert result["role"] == "launcher"
     assert not set(WORKER_MODULES) & set(result["new_sglang_modules"])
     assert result["hooked"] == [
         "sglang.srt.arg_groups.overrides._flashinfer_allreduce_fusion_auto_enable",
@@ -62,13 +61,11 @@ def test_launcher_imports_no_worker_module(entry):
 
 def test_detokenizer_registers_nothing():
     result = probe("sglang.srt.managers.detokenizer_manager")
-    assert result["role"] == "detokenizer"
     assert result["hooked"] == []
     assert set(result["patches"].values()) == {"not used in the detokenizer"}
 
 
 def test_scheduler_process_registers_the_worker_seams():
     result = probe("sglang.srt.managers.scheduler")
-    assert result["role"] == "scheduler"
     assert "sglang.srt.layers.flashinfer_comm_fusion._resolve_backend" in result["hooked"]
     assert result["patches"]["pcie_ipc_enable"] == "registered"  # checked once logging is up

@@ -31,11 +31,14 @@ def not_needed(cap: Capability) -> str | None:
 def announce_after_logging_setup(result, *args, **kwargs) -> None:
     from sglang_sm120 import plugin, runtime
 
-    role = runtime.process_role()
-    plugin.verify_applied()
-    runtime.logging_configured(first=plugin.status_line(role))
-    if role == "scheduler":
-        runtime.worker_plan()  # logs the plan this worker follows, if the launcher sent one
+    try:
+        role = runtime.process_role()
+        plugin.verify_applied()
+        runtime.logging_configured(first=plugin.status_line(role))
+        if role == "scheduler":
+            runtime.worker_plan()  # logs the plan this worker follows, if the launcher sent one
+    except Exception:  # a report must never stop SGLang's start-up
+        runtime.logger.exception("sglang-sm120: could not report the plugin's status")
 
 
 HOOKS = ((TARGET, announce_after_logging_setup, HookType.AFTER),)
