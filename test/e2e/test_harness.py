@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import e2e_harness as h
 import pytest
+from sglang_sm120 import e2e as h
 
 
 def _write_stats(folder: Path, pid: int, tp_rank: int | None, replays: int, **extra) -> None:
@@ -112,13 +112,12 @@ def test_gpu_env_pins_the_first_gpus_and_keeps_the_plugin_on(monkeypatch) -> Non
     assert env["SGLANG_PLUGINS"] == "other,sglang_sm120"
 
 
-def test_a_refused_fused_backend_skips_with_the_plans_reasons(monkeypatch) -> None:
+def test_a_refused_fused_backend_is_reported_with_the_plans_reasons(monkeypatch) -> None:
     plan = {"fusion_backend": None, "plain_allreduce": "nccl", "reasons": ["no P2P on 0-1"]}
-    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "trtllm"), plan)
-    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "off"), plan)
-    with pytest.raises(pytest.skip.Exception, match="no P2P on 0-1"):
-        h.expected_fusion(2, "DeepseekV3ForCausalLM", "trtllm")
-    assert h.expected_fusion(2, "DeepseekV3ForCausalLM", "off") is None
+    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "trtllm", None), plan)
+    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "off", None), plan)
+    assert "no P2P on 0-1" in h.refused_backend(2, "DeepseekV3ForCausalLM", "trtllm")
+    assert h.refused_backend(2, "DeepseekV3ForCausalLM", "off") is None
 
 
 # ---------------------------------------------------------------- a whole launch, faked
