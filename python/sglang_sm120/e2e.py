@@ -323,11 +323,13 @@ class RunResult:
 
 
 class ServerFailed(RuntimeError):
-    """A server exited, never became ready or broke off while answering; ``log`` keeps why."""
+    """A server exited, never became ready or broke off while answering; ``log`` keeps why,
+    ``stats_dir`` what the plugin counted until then (a peer timeout, say)."""
 
-    def __init__(self, message: str, log: Path) -> None:
+    def __init__(self, message: str, log: Path, stats_dir: Path | None = None) -> None:
         super().__init__(message)
         self.log = log
+        self.stats_dir = stats_dir
 
 
 def _free_port() -> int:
@@ -407,15 +409,18 @@ class ServerRuns:
         try:
             startup_s = self._wait_ready(proc, url, log)
             self.progress(f"server {launch.name} ready after {startup_s:.0f} s; sending requests")
-            try:
-                result = self._collect(launch, url, stats_dir, log)
-            except Exception as exc:
-                raise ServerFailed(
-                    f"server stopped answering ({exc}); exit code {proc.poll()}:\n{_tail(log)}",
-                    log,
-                ) from exc
+            result = self._collect(launch, url, stats_dir, log)
             result.startup_s = startup_s
             return result
+        except ServerFailed as exc:
+            exc.stats_dir = stats_dir
+            raise
+        except Exception as exc:
+            raise ServerFailed(
+                f"server stopped answering ({exc}); exit code {proc.poll()}:\n{_tail(log)}",
+                log,
+                stats_dir,
+            ) from exc
         finally:
             _stop(proc)
             self.progress(f"server {launch.name} stopped")

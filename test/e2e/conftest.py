@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Test modules import their helpers (processes.py) by name, whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from sglang_sm120.e2e import ServerRuns, missing_prerequisite
 
 # ---------------------------------------------------------------- fixtures

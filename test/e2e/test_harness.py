@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from processes import gone
 from sglang_sm120 import e2e as h
 
 
@@ -130,17 +129,6 @@ def _fake_server_args(launch: h.Launch, port: int) -> list[str]:
     return args + (["--speculative"] if launch.draft else [])
 
 
-def _gone(pid: int, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.fixture
 def fake_runs(tmp_path, monkeypatch) -> h.ServerRuns:
     monkeypatch.setattr(h.Launch, "server_args", _fake_server_args)
@@ -165,7 +153,7 @@ def test_a_launch_collects_outputs_and_stats_then_stops_its_processes(fake_runs)
         assert result.verify_count <= grown <= result.verify_count + 2
     assert fake_runs.get(launch) is result  # memoised: no second server
     worker = int(re.search(r"worker pid (\d+)", result.log.read_text()).group(1))
-    assert _gone(worker), "the server's worker process outlived the run"
+    assert gone(worker), "the server's worker process outlived the run"
 
 
 def test_a_server_that_dies_at_start_fails_with_its_log(fake_runs, monkeypatch) -> None:
