@@ -160,6 +160,19 @@ def test_fused_calls_when_the_plan_says_fusion_off_fail() -> None:
     assert failed(verdict(reference, spec)) == ["fused all-reduce + RMSNorm in the verify graph"]
 
 
+def test_off_sm12x_upstream_chooses_and_its_fusion_is_checked_in_the_graph() -> None:
+    """The plan leaves non-SM12x hosts to upstream (e.g. trtllm on SM90): whatever the ranks
+    run is fine, but a rank that fuses must have its fused calls in the verify graph."""
+    upstream = {"managed": False, "fusion_backend": None, "plain_allreduce": "upstream"}
+    served = {"fusion_backend": "trtllm", "plain_allreduce": "upstream", "reasons": []}
+    reference, spec = runs(served, fused=LAYERS * 3)
+    assert failed(verdict(reference, spec, upstream)) == []
+    spec.stats_after[0]["fused_allreduce_in_capture"] = {}
+    assert failed(verdict(reference, spec, upstream)) == [
+        "fused all-reduce + RMSNorm in the verify graph"
+    ]
+
+
 def test_a_rank_running_another_plan_fails() -> None:
     reference, spec = runs()
     spec.stats_after[1]["plain_allreduce"] = "nccl"
