@@ -514,7 +514,17 @@ def _group_alive(pgid: int) -> bool:
 
 def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
     """Stop the server we started and every process of its group: SIGTERM, then SIGKILL to
-    whatever is left, also when the launcher itself already exited and left workers behind."""
+    whatever is left, also when the launcher itself already exited and left workers behind.
+    SIGINT/SIGTERM to us wait until this is done (they are delivered right after)."""
+    interrupts = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, interrupts)
+    try:
+        _stop_group(proc, grace_s)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:  # the whole group is gone already

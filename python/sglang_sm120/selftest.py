@@ -462,8 +462,17 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
 def _usage_error(args: argparse.Namespace) -> str | None:
     if bool(args.target) != bool(args.draft):
         return "--target and --draft go together"
+    if args.tp is not None and args.tp < 1:
+        return f"--tp must be at least 1, not {args.tp}"
     if not args.target and args.tp is not None and args.tp not in e2e.TP_SIZES:
         return f"the tiny models shard to tp {', '.join(map(str, e2e.TP_SIZES))}, not {args.tp}"
+    for flag, model in (("--target", args.target), ("--draft", args.draft)):
+        if model:
+            try:
+                e2e.model_config(model)
+            except Exception as exc:  # OSError, JSON, hub errors: all say "cannot read it"
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                return f"cannot read the config of {flag} {model}: {first}"
     return None
 
 

@@ -60,6 +60,8 @@ def pair(tmp_path: Path) -> tuple[Path, Path]:
     draft.mkdir()
     config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 5, "hidden_size": HIDDEN}
     (target / "config.json").write_text(json.dumps(config))
+    draft_config = {**config, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}
+    (draft / "config.json").write_text(json.dumps(draft_config))
     manifest = {
         "successor": [(t + 7) % 1000 for t in range(1000)],
         "designed_accept_length": 2.0,

@@ -308,6 +308,7 @@ def test_selftest_without_gpus_says_so_in_one_line_and_exits_2(args, env) -> Non
     [
         (("--target", "/m/t"), "--target and --draft go together"),
         (("--tp", "3"), "the tiny models shard to tp 1, 2, 4, 8, not 3"),
+        (("--tp", "0", "--target", "/m/t", "--draft", "/m/d"), "--tp must be at least 1, not 0"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys) -> None:
@@ -315,3 +316,14 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys) -> None:
 
     assert main(["selftest", *args]) == 2
     assert capsys.readouterr().err.strip() == f"sglang-sm120 selftest: {message}"
+
+
+def test_a_target_whose_config_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    from sglang_sm120.cli import main
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text("{not json")
+    assert main(["selftest", "--target", str(tmp_path / "t"), "--draft", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"sglang-sm120 selftest: cannot read the config of --target {tmp_path}")
+    assert "\n" not in err
