@@ -99,7 +99,7 @@ def test_one_token_off_in_the_speculative_output_fails_greedy_equality() -> None
     reference, spec = runs()
     spec.sequential_ids[1][2] = 99
     checks = verdict(reference, spec)
-    assert failed(checks) == ["greedy output: EAGLE-3 + plugin == upstream plain"]
+    assert failed(checks) == ["greedy output: EAGLE-3 == plain reference"]
     assert "one-at-a-time prompt 1: token 2: 99 instead of 54" in checks[failed(checks)[0]].seen
 
 
@@ -225,7 +225,7 @@ def test_a_failed_reference_fails_the_run_but_the_eagle3_checks_still_report() -
     _, spec = runs()
     checks = verdict(None, spec, failures={"reference": "server not ready after 900 s"})
     assert failed(checks) == ["reference server (upstream alone, plain)"]
-    assert "greedy output: EAGLE-3 + plugin == upstream plain" not in checks
+    assert "greedy output: EAGLE-3 == plain reference" not in checks
     assert "accept length" in checks
 
 
