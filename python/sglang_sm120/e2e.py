@@ -202,13 +202,16 @@ def plan_for(tp: int, model_arch: str, backend: str, hidden: int | None = None) 
         cli = [sys.executable, "-m", "sglang_sm120.cli"]
         cmd = [*cli, "doctor", "--json", "--tp", str(tp), "--model-arch", model_arch]
         cmd += ["--hidden", str(hidden)] if hidden else []
-        done = subprocess.run(
-            cmd + BACKEND_DOCTOR_ARGS[backend],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        try:
+            done = subprocess.run(
+                cmd + BACKEND_DOCTOR_ARGS[backend],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{' '.join(cmd)} did not finish in {exc.timeout} s") from exc
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr}")
         _PLANS[key] = json.loads(done.stdout)["plan"]

@@ -425,8 +425,11 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
         plan: dict[str, Any] | None = e2e.plan_for(
             tp, arch, args.backend, e2e.hidden_size(pair.target)
         )
-    except RuntimeError as exc:
-        progress(f"no plan: {exc}")
+    except (RuntimeError, ValueError, KeyError) as exc:  # ValueError: its output was not JSON
+        lines = str(exc).strip().splitlines() or [repr(exc)]
+        progress(
+            f"no plan: {lines[0]} ... {lines[-1]}" if len(lines) > 1 else f"no plan: {lines[0]}"
+        )
         plan = None
     prompts, max_new_tokens = pair.prompts()
     runs = e2e.ServerRuns(work / "runs", log_dir, progress)

@@ -173,6 +173,12 @@ def test_off_sm12x_upstream_chooses_and_its_fusion_is_checked_in_the_graph() -> 
     ]
 
 
+def test_without_doctors_plan_the_run_cannot_pass() -> None:
+    checks = verdict(*runs(), plan=None)
+    assert failed(checks) == ["ranks run the plan"]
+    assert checks["ranks run the plan"].seen == "no plan"
+
+
 def test_a_rank_running_another_plan_fails() -> None:
     reference, spec = runs()
     spec.stats_after[1]["plain_allreduce"] = "nccl"
