@@ -16,7 +16,7 @@ Environment knobs of the e2e test suite (all optional):
   hub id already in the HF cache); ``SGLANG_SM120_E2E_MIN_ACCEPT`` overrides its threshold.
 - ``SGLANG_SM120_E2E_REAL_TP``: TP sizes for the real pair (default: the largest one available).
 - ``SGLANG_SM120_E2E_REAL_TREE``: steps,topk,draft tokens for the real pair (default 3,1,4).
-- ``SGLANG_SM120_E2E_STARTUP_S``: server start-up timeout (default 900).
+- ``SGLANG_SM120_E2E_STARTUP_S``: server start-up timeout (default 900; selftest reads it too).
 - ``SGLANG_SM120_E2E_LOG_DIR``: keep server logs there (CI uploads them); default a tmp dir.
 """
 
