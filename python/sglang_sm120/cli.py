@@ -10,6 +10,8 @@ sglang-sm120 warmup [--dry-run] [--vocab-size V]
     compile the JIT kernels the server needs on this GPU, before the server starts
 sglang-sm120 profiles
     the embedded machine profiles
+sglang-sm120 selftest [--tp N] [--target PATH --draft PATH] [--json] [--keep-logs DIR]
+    start SGLang servers on this machine's GPUs and check the EAGLE-3 fast path end to end
 """
 
 from __future__ import annotations
@@ -317,6 +319,12 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from sglang_sm120.selftest import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-sm120",
@@ -353,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.set_defaults(func=cmd_warmup)
     profiles = sub.add_parser("profiles", help="list the embedded machine profiles")
     profiles.set_defaults(func=cmd_profiles)
+    selftest = sub.add_parser("selftest", help="prove the EAGLE-3 fast path on this machine's GPUs")
+    from sglang_sm120.selftest import add_arguments
+
+    add_arguments(selftest)
+    selftest.set_defaults(func=cmd_selftest)
     return parser
 
 

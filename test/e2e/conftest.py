@@ -1,8 +1,7 @@
-"""Fixtures of the e2e suite; the harness itself is e2e_harness.py (see its docstring)."""
+"""Fixtures of the e2e suite; the harness itself is ``sglang_sm120.e2e`` (see its docstring)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -11,10 +10,10 @@ from typing import Any
 
 import pytest
 
-# Test modules import the harness by name, whatever pytest's import mode.
+# Test modules import their helpers (processes.py) by name, whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_harness import FIXTURES_DIR, ServerRuns, missing_prerequisite
+from sglang_sm120.e2e import ServerRuns, missing_prerequisite
 
 # ---------------------------------------------------------------- fixtures
 
@@ -29,13 +28,11 @@ def e2e_ready() -> None:
 @pytest.fixture(scope="session")
 def tiny_pairs(e2e_ready, tmp_path_factory) -> dict[str, Any]:
     """The tiny fixture models (generated once per session, a few seconds on CPU)."""
-    spec = importlib.util.spec_from_file_location("tiny_models", FIXTURES_DIR / "tiny_models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tiny_models"] = module  # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
+    from sglang_sm120.tiny_models import build_all
+
     root = os.environ.get("SGLANG_SM120_FIXTURE_DIR")
     out = Path(root) if root else tmp_path_factory.mktemp("tiny-models")
-    return module.build_all(out)
+    return build_all(out)
 
 
 @pytest.fixture(scope="session")

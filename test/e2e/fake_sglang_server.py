@@ -5,7 +5,9 @@ SGLang's TP processes (to prove the harness stops the whole process group), and 
 stats files the way the plugin does: one per TP rank plus one without a rank. Greedy outputs
 are a deterministic function of the prompt; with ``--speculative`` each request reports
 ``spec_verify_ct`` = half its tokens and every rank's TARGET_VERIFY replays grow by as much;
-like the plugin, the files are rewritten on a change at most once a second.
+like the plugin, the files are rewritten on a change at most once a second. With
+``--crash-after-s`` the launcher exits with status 3 after that long and leaves its worker
+behind (the harness must still stop it). Both pids are printed to the log.
 
     python fake_sglang_server.py --port 30000 --tp 2 [--speculative] [--startup-s 1]
 """
@@ -111,9 +113,15 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--speculative", action="store_true")
     parser.add_argument("--startup-s", type=float, default=0.5)
+    parser.add_argument("--crash-after-s", type=float)
     args = parser.parse_args()
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    print(f"server pid {os.getpid()}", flush=True)
     print(f"worker pid {worker.pid}", flush=True)
+    if args.crash_after_s is not None:
+        time.sleep(args.crash_after_s)
+        print("fake crash: CUDA error: no kernel image is available", flush=True)
+        os._exit(3)
     ThreadingHTTPServer(("127.0.0.1", args.port), handler(State(args))).serve_forever()
 
 

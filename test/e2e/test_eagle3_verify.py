@@ -12,8 +12,11 @@ EAGLE3`` and a small tree is compared with the same server without speculation:
   hidden states are broken).
 
 With a real pair given by ``SGLANG_SM120_E2E_TARGET`` / ``SGLANG_SM120_E2E_DRAFT``, the accept
-length must reach the threshold recorded for that pair below, and greedy equality must hold.
-See conftest.py for the harness and the environment knobs.
+length must reach the threshold recorded for that pair (``KNOWN_PAIRS`` in the harness), and
+greedy equality must hold.
+
+The harness and its environment knobs: ``sglang_sm120.e2e`` (``sglang-sm120 selftest`` runs the
+same checks on one configuration).
 """
 
 from __future__ import annotations
@@ -25,21 +28,32 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_harness import (
+from sglang_sm120 import tiny_models
+from sglang_sm120.e2e import (
     BACKENDS,
+    REAL_MAX_NEW_TOKENS,
     SMALL_TREE,
     TP_SIZES,
-    VERIFY_MODE,
     Launch,
     RunResult,
     ServerRuns,
-    _env_list,
-    _gpu_count,
-    count,
-    expected_fusion,
+    chat_prompts,
+    env_list,
+    gpu_count,
+    hidden_size,
+    known_threshold,
     missing_prerequisite,
+    model_arch,
+    num_layers,
     plan_for,
-    require_gpus,
+    refused_backend,
+)
+from sglang_sm120.selftest import (
+    Check,
+    designed_tokens_check,
+    graph_checks,
+    greedy_check,
+    plan_checks,
 )
 
 _MISSING = missing_prerequisite()
@@ -49,74 +63,33 @@ if _MISSING:
 pytestmark = pytest.mark.e2e
 
 TINY_ARCHS = ("llama", "deepseek_v3")
-TINY_PROMPTS = (
-    "The graph verify draft token",
-    "Kernel rank norm tensor and the draft",
-    "Bou kai ten!",
-    "Sailuvaiten murus, 42.",
-    "The",
-    "Verify the graph; 7 and 9.",
-)
-# The tiny pair is built for accept length 2.0 (see test/fixtures/tiny_models.py); a broken
-# verify or corrupted draft hidden states give ~1.0. The margin covers requests cut short.
-TINY_MIN_ACCEPT = 1.8
-
-REAL_PROMPTS = (
-    "Explain how a CPU cache works in three short paragraphs.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "List five facts about the planet Mars.",
-    "Summarise the plot of Romeo and Juliet.",
-    "What is the difference between TCP and UDP?",
-    "Give me a recipe for a simple tomato soup.",
-    "Translate 'good morning, how are you?' into French and German.",
-    "Why is the sky blue? Answer for a ten-year-old.",
-)
-REAL_MAX_NEW_TOKENS = 64
 
 
-@dataclass(frozen=True)
-class PairThreshold:
-    """Minimum accept length for a known (target, draft) pair with the small tree."""
-
-    target_contains: str
-    draft_contains: str
-    min_accept: float
-    source: str
+def require_gpus(tp: int) -> None:
+    have = gpu_count()
+    if tp > have:
+        pytest.skip(f"tp={tp} needs {tp} GPUs; this host has {have}")
 
 
-KNOWN_PAIRS = (
-    PairThreshold(
-        "llama-3.1-8b-instruct", "eagle3", 2.26, "SGLang's own EAGLE-3 gate for this pair"
-    ),
-    PairThreshold("qwen3-8b", "eagle3", 2.0, "conservative floor; not yet measured on our runners"),
-)
+def case_plan(tp: int, model: str, backend: str) -> dict[str, Any]:
+    """The plan for this model at ``tp`` with the backend asked for."""
+    return plan_for(tp, model_arch(model), backend, hidden_size(model))
+
+
+def expected_fusion(tp: int, model: str, backend: str) -> str | None:
+    """The fusion backend the plan promises, or skip when it refuses the one asked for."""
+    refused = refused_backend(tp, model_arch(model), backend, hidden_size(model))
+    if refused:
+        pytest.skip(refused)
+    return case_plan(tp, model, backend).get("fusion_backend")
 
 
 def _enabled_tp() -> tuple[int, ...]:
-    return tuple(t for t in _env_list("SGLANG_SM120_E2E_TP", TP_SIZES) if t in TP_SIZES)
+    return tuple(t for t in env_list("SGLANG_SM120_E2E_TP", TP_SIZES) if t in TP_SIZES)
 
 
 def _enabled_backends() -> tuple[str, ...]:
-    return tuple(b for b in _env_list("SGLANG_SM120_E2E_BACKENDS", BACKENDS) if b in BACKENDS)
-
-
-def _model_arch(model: str) -> str:
-    """architectures[0] from a local config.json, else from the HF cache via transformers."""
-    config = Path(model) / "config.json"
-    if config.is_file():
-        return json.loads(config.read_text())["architectures"][0]
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model).architectures[0]
-
-
-def _num_layers(model: str) -> int:
-    config = Path(model) / "config.json"
-    if config.is_file():
-        return int(json.loads(config.read_text())["num_hidden_layers"])
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(model).num_hidden_layers)
+    return tuple(b for b in env_list("SGLANG_SM120_E2E_BACKENDS", BACKENDS) if b in BACKENDS)
 
 
 @dataclass
@@ -159,42 +132,23 @@ def tiny_case(request, tiny_pairs, server_runs) -> Case:
     arch, tp, backend = request.param
     require_gpus(tp)
     pair = tiny_pairs[arch]
-    fusion = expected_fusion(tp, _model_arch(str(pair.target)), backend)
-    return Case(server_runs, str(pair.target), str(pair.draft), tp, backend, fusion, TINY_PROMPTS)
+    fusion = expected_fusion(tp, str(pair.target), backend)
+    prompts = tiny_models.PROMPTS
+    return Case(server_runs, str(pair.target), str(pair.draft), tp, backend, fusion, prompts)
 
 
-def _first_difference(a: list[int], b: list[int]) -> str:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return f"first difference at token {i}: {x} vs {y}"
-    return f"lengths {len(a)} vs {len(b)}"
+def assert_passed(checks: list[Check]) -> None:
+    """``sglang-sm120 selftest``'s own checks (its verdict logic is tested on CPU)."""
+    failed = [f"{c.check}: expected {c.expected}, seen {c.seen}" for c in checks if not c.passed]
+    assert not failed, "\n".join(failed)
 
 
 def assert_same_greedy(case: Case) -> None:
-    plain, spec = case.plain(), case.spec()
-    want_all = plain.sequential_ids
-    for prompt, want, got in zip(case.prompts, want_all, spec.sequential_ids, strict=True):
-        assert got == want, f"{prompt!r}: speculative != plain, {_first_difference(got, want)}"
-    for prompt, want, got in zip(case.prompts, want_all, spec.batched_ids, strict=True):
-        assert got == want, (
-            f"{prompt!r}: batched speculative != plain, {_first_difference(got, want)}"
-        )
+    assert_passed([greedy_check(case.plain(), case.spec())])
 
 
 def assert_verify_replayed(case: Case) -> None:
-    spec = case.spec()
-    assert spec.stats_problem is None, spec.stats_problem
-    passes = spec.verify_count
-    assert passes > 0, "no verify pass was reported (meta_info spec_verify_ct is 0)"
-    for rank, before in sorted(spec.stats_before.items()):
-        after = spec.stats_after.get(rank, {})
-        captured = count(after, "graph_captures")
-        replayed = count(after, "graph_replays") - count(before, "graph_replays")
-        assert captured > 0, f"rank {rank}: no {VERIFY_MODE} CUDA graph was captured"
-        assert replayed >= passes, (
-            f"rank {rank}: {replayed} {VERIFY_MODE} graph replays for {passes} verify passes: "
-            "some verify passes ran eagerly"
-        )
+    assert_passed(graph_checks(case.spec(), case.tp))
 
 
 # ---------------------------------------------------------------- tiny pairs
@@ -212,46 +166,28 @@ def test_target_verify_replays_cuda_graph(tiny_case: Case) -> None:
 
 @pytest.mark.parametrize("tiny_case", _tiny_params(), indirect=True)
 def test_verify_graph_fusion_matches_plan(tiny_case: Case) -> None:
+    """Every rank runs the plan; at least one fused all-reduce + norm per layer in every
+    captured verify graph where it fuses, none where it does not."""
     spec = tiny_case.spec()
     assert spec.stats_problem is None, spec.stats_problem
-    plan = plan_for(tiny_case.tp, _model_arch(tiny_case.target), tiny_case.backend)
-    layers = _num_layers(tiny_case.target)
-    for rank, stats in sorted(spec.stats_after.items()):
-        assert stats.get("fusion_backend") == tiny_case.fusion, (
-            f"rank {rank} ran fusion={stats.get('fusion_backend')}, plan said {tiny_case.fusion}"
-        )
-        assert stats.get("plain_allreduce") == plan["plain_allreduce"], (
-            f"rank {rank} ran plain all-reduce {stats.get('plain_allreduce')}, "
-            f"plan said {plan['plain_allreduce']}"
-        )
-        fused = count(stats, "fused_allreduce_in_capture")
-        graphs = count(stats, "graph_captures")
-        if tiny_case.fusion is None:
-            assert fused == 0, f"rank {rank}: {fused} fused calls captured with fusion off"
-        else:
-            # At least one fused all-reduce + norm per layer in every captured verify graph.
-            assert fused >= layers * graphs > 0, (
-                f"rank {rank}: {fused} fused calls in {graphs} {VERIFY_MODE} graphs of a "
-                f"{layers}-layer model"
-            )
+    plan = case_plan(tiny_case.tp, tiny_case.target, tiny_case.backend)
+    assert_passed(plan_checks(spec, plan, num_layers(tiny_case.target)))
 
 
 @pytest.mark.parametrize("tiny_case", _tiny_params(), indirect=True)
 def test_tiny_pair_reaches_designed_accept_length(tiny_case: Case) -> None:
     accept = tiny_case.spec().accept_length()
-    assert accept >= TINY_MIN_ACCEPT, (
-        f"accept length {accept:.2f} < {TINY_MIN_ACCEPT} (designed 2.0): the verify step or the "
+    floor, designed = tiny_models.MIN_ACCEPT_LENGTH, tiny_models.DESIGNED_ACCEPT_LENGTH
+    assert accept >= floor, (
+        f"accept length {accept:.2f} < {floor} (designed {designed}): the verify step or the "
         "draft's hidden states are wrong"
     )
 
 
 @pytest.mark.parametrize("tiny_case", _tiny_params(), indirect=True)
 def test_plain_output_follows_designed_successor(tiny_case: Case) -> None:
-    fixture = json.loads((Path(tiny_case.target) / "tiny_fixture.json").read_text())
-    successor = fixture["successor"]
-    for prompt, ids in zip(tiny_case.prompts, tiny_case.plain().sequential_ids, strict=True):
-        wrong = [i for i in range(1, len(ids)) if successor[ids[i - 1]] != ids[i]]
-        assert not wrong, f"{prompt!r}: tokens {wrong} break the designed chain: {ids}"
+    fixture = json.loads((Path(tiny_case.target) / tiny_models.FIXTURE_FILE).read_text())
+    assert_passed([designed_tokens_check(tiny_case.plain(), fixture["successor"])])
 
 
 # ---------------------------------------------------------------- a real pair
@@ -268,39 +204,23 @@ def real_pair_threshold(target: str, draft: str) -> tuple[float, str]:
     override = os.environ.get("SGLANG_SM120_E2E_MIN_ACCEPT")
     if override:
         return float(override), "SGLANG_SM120_E2E_MIN_ACCEPT"
-    t, d = Path(target).name.lower(), Path(draft).name.lower()
-    for known in KNOWN_PAIRS:
-        if known.target_contains in t and known.draft_contains in d:
-            return known.min_accept, known.source
-    pytest.fail(
-        f"no accept-length threshold recorded for {target} + {draft}: add it to KNOWN_PAIRS "
-        "or set SGLANG_SM120_E2E_MIN_ACCEPT"
-    )
+    known = known_threshold(target, draft)
+    if known is None:
+        pytest.fail(
+            f"no accept-length threshold recorded for {target} + {draft}: add it to KNOWN_PAIRS "
+            "(sglang_sm120/e2e.py) or set SGLANG_SM120_E2E_MIN_ACCEPT"
+        )
+    return known
 
 
 def _real_params() -> list[Any]:
-    default_tp = max((t for t in TP_SIZES if t <= max(_gpu_count(), 1)), default=1)
-    sizes = _env_list("SGLANG_SM120_E2E_REAL_TP", (default_tp,))
+    default_tp = max((t for t in TP_SIZES if t <= max(gpu_count(), 1)), default=1)
+    sizes = env_list("SGLANG_SM120_E2E_REAL_TP", (default_tp,))
     return [
         pytest.param((tp, backend), id=f"tp{tp}-{backend}")
         for tp in sizes
         for backend in _enabled_backends()
     ]
-
-
-def _chat_prompts(target: str) -> tuple[str, ...]:
-    """The prompts in the target's chat format when it has one (drafts are trained on it)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    if not getattr(tokenizer, "chat_template", None):
-        return REAL_PROMPTS
-    return tuple(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-        )
-        for p in REAL_PROMPTS
-    )
 
 
 @pytest.fixture
@@ -311,8 +231,8 @@ def real_case(request, e2e_ready, server_runs) -> Case:
     tp, backend = request.param
     require_gpus(tp)
     target, draft = pair
-    fusion = expected_fusion(tp, _model_arch(target), backend)
-    tree = _env_list("SGLANG_SM120_E2E_REAL_TREE", SMALL_TREE)
+    fusion = expected_fusion(tp, target, backend)
+    tree = env_list("SGLANG_SM120_E2E_REAL_TREE", SMALL_TREE)
     return Case(
         server_runs,
         target,
@@ -320,7 +240,7 @@ def real_case(request, e2e_ready, server_runs) -> Case:
         tp,
         backend,
         fusion,
-        _chat_prompts(target),
+        chat_prompts(target),
         REAL_MAX_NEW_TOKENS,
         tuple(tree),
     )

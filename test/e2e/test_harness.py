@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
-import time
 from pathlib import Path
 
-import e2e_harness as h
 import pytest
+from processes import gone
+from sglang_sm120 import e2e as h
 
 
 def _write_stats(folder: Path, pid: int, tp_rank: int | None, replays: int, **extra) -> None:
@@ -112,13 +111,12 @@ def test_gpu_env_pins_the_first_gpus_and_keeps_the_plugin_on(monkeypatch) -> Non
     assert env["SGLANG_PLUGINS"] == "other,sglang_sm120"
 
 
-def test_a_refused_fused_backend_skips_with_the_plans_reasons(monkeypatch) -> None:
+def test_a_refused_fused_backend_is_reported_with_the_plans_reasons(monkeypatch) -> None:
     plan = {"fusion_backend": None, "plain_allreduce": "nccl", "reasons": ["no P2P on 0-1"]}
-    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "trtllm"), plan)
-    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "off"), plan)
-    with pytest.raises(pytest.skip.Exception, match="no P2P on 0-1"):
-        h.expected_fusion(2, "DeepseekV3ForCausalLM", "trtllm")
-    assert h.expected_fusion(2, "DeepseekV3ForCausalLM", "off") is None
+    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "trtllm", None), plan)
+    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "off", None), plan)
+    assert "no P2P on 0-1" in h.refused_backend(2, "DeepseekV3ForCausalLM", "trtllm")
+    assert h.refused_backend(2, "DeepseekV3ForCausalLM", "off") is None
 
 
 # ---------------------------------------------------------------- a whole launch, faked
@@ -129,17 +127,6 @@ FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 def _fake_server_args(launch: h.Launch, port: int) -> list[str]:
     args = [sys.executable, str(FAKE_SERVER), "--port", str(port), "--tp", str(launch.tp)]
     return args + (["--speculative"] if launch.draft else [])
-
-
-def _gone(pid: int, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture
@@ -166,7 +153,7 @@ def test_a_launch_collects_outputs_and_stats_then_stops_its_processes(fake_runs)
         assert result.verify_count <= grown <= result.verify_count + 2
     assert fake_runs.get(launch) is result  # memoised: no second server
     worker = int(re.search(r"worker pid (\d+)", result.log.read_text()).group(1))
-    assert _gone(worker), "the server's worker process outlived the run"
+    assert gone(worker), "the server's worker process outlived the run"
 
 
 def test_a_server_that_dies_at_start_fails_with_its_log(fake_runs, monkeypatch) -> None:

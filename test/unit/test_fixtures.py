@@ -1,35 +1,22 @@
 """The tiny EAGLE-3 fixture models: generated here, loadable by transformers and SGLang.
 
-CPU only. The generator runs once per module (a few seconds); the e2e suite relies on every
-property checked here (see test/fixtures/tiny_models.py for why the weights are built this way).
+CPU only. The generator runs once per module (a few seconds); the e2e suite and ``selftest`` rely
+on every property checked here (see ``sglang_sm120/tiny_models.py`` for why the weights are built
+this way).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from sglang_sm120 import tiny_models as tiny
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_models.py"
 ARCHS = ("llama", "deepseek_v3")
 PROMPT = "The graph verify draft token, 42. Kernel rank norm"
-
-
-def _load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tiny_models", FIXTURES)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tiny_models"] = module  # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _load_generator()
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,16 @@ def test_gpu_workflow_limits_concurrency_and_uploads_results() -> None:
         assert needed in scripts, needed
 
 
+def test_gpu_workflow_runs_the_selftest_at_the_runners_size_and_keeps_its_json() -> None:
+    steps = _load(WORKFLOWS / "gpu-sm120.yml")["jobs"]["gpu"]["steps"]
+    selftest = [s["run"] for s in steps if "sglang-sm120 selftest" in s.get("run", "")]
+    assert len(selftest) == 1
+    command = " ".join(selftest[0].replace("\\\n", " ").split())
+    assert '--tp "$GPUS" --json' in command and '> "$OUT/selftest.json"' in command
+    upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact@"))
+    assert upload["with"]["path"] == ".out/"  # $OUT, where the verdict and its logs go
+
+
 def test_only_the_publish_job_may_mint_an_id_token() -> None:
     for where, name, job in _jobs():
         perms = job.get("permissions") or {}

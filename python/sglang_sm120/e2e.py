@@ -1,11 +1,13 @@
-"""End-to-end harness: start SGLang servers with the plugin, send greedy requests, read stats.
+"""End-to-end harness: start real SGLang servers, send greedy requests, read the plugin's stats.
 
-Needs CUDA GPUs, sglang and the installed ``sglang-sm120`` plugin; every test skips with the
-reason where one is missing. One server runs at a time, on the first ``tp`` visible GPUs, and is
-stopped as soon as its results are collected; results are memoised per launch so the tests
-(greedy equality, graph replays, fused all-reduce, accept length) share one server each.
+Used by ``sglang-sm120 selftest`` and by the e2e test suite (test/e2e/, which skips with the
+reason where GPUs or packages are missing). One server runs at a time, on the first ``tp``
+visible GPUs, in its own process group; it is stopped, workers included, as soon as its results
+are collected, and also when it fails or the caller is interrupted. Results are memoised per
+launch, so the checks (greedy equality, graph replays, fused all-reduce, accept length) share
+one server each.
 
-Environment knobs (all optional):
+Environment knobs of the e2e test suite (all optional):
 
 - ``SGLANG_SM120_E2E_TP``: comma list of TP sizes to try (default 1,2,4,8, capped by the GPUs).
 - ``SGLANG_SM120_E2E_BACKENDS``: comma list among off,auto,trtllm,sm120_pcie (default all).
@@ -14,7 +16,7 @@ Environment knobs (all optional):
   hub id already in the HF cache); ``SGLANG_SM120_E2E_MIN_ACCEPT`` overrides its threshold.
 - ``SGLANG_SM120_E2E_REAL_TP``: TP sizes for the real pair (default: the largest one available).
 - ``SGLANG_SM120_E2E_REAL_TREE``: steps,topk,draft tokens for the real pair (default 3,1,4).
-- ``SGLANG_SM120_E2E_STARTUP_S``: server start-up timeout (default 900).
+- ``SGLANG_SM120_E2E_STARTUP_S``: server start-up timeout (default 900; selftest reads it too).
 - ``SGLANG_SM120_E2E_LOG_DIR``: keep server logs there (CI uploads them); default a tmp dir.
 """
 
@@ -34,9 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-FIXTURES_DIR = Path(__file__).resolve().parents[1] / "fixtures"
 TP_SIZES = (1, 2, 4, 8)
 BACKENDS = ("off", "auto", "trtllm", "sm120_pcie")
 # How each backend choice is expressed: the plugin's env var, SGLang's own server flag where one
@@ -57,11 +56,51 @@ BACKEND_DOCTOR_ARGS = {
 # Small trees keep the verify graphs small: steps, topk, draft tokens.
 SMALL_TREE = (3, 1, 4)
 STATS_ENV = "SGLANG_SM120_STATS_DIR"
+DISABLE_ENV = "SGLANG_SM120_DISABLE"
 VERIFY_MODE = "TARGET_VERIFY"
 GREEDY_TOKENS = 32
 
+REAL_PROMPTS = (
+    "Explain how a CPU cache works in three short paragraphs.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "List five facts about the planet Mars.",
+    "Summarise the plot of Romeo and Juliet.",
+    "What is the difference between TCP and UDP?",
+    "Give me a recipe for a simple tomato soup.",
+    "Translate 'good morning, how are you?' into French and German.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+)
+REAL_MAX_NEW_TOKENS = 64
 
-def _env_list(name: str, default: tuple) -> tuple:
+
+@dataclass(frozen=True)
+class PairThreshold:
+    """Minimum accept length for a known (target, draft) pair with the small tree."""
+
+    target_contains: str
+    draft_contains: str
+    min_accept: float
+    source: str
+
+
+KNOWN_PAIRS = (
+    PairThreshold(
+        "llama-3.1-8b-instruct", "eagle3", 2.26, "SGLang's own EAGLE-3 gate for this pair"
+    ),
+    PairThreshold("qwen3-8b", "eagle3", 2.0, "conservative floor; not yet measured on our runners"),
+)
+
+
+def known_threshold(target: str, draft: str) -> tuple[float, str] | None:
+    """(min accept length, where it comes from) recorded for a real pair, or None."""
+    t, d = Path(target).name.lower(), Path(draft).name.lower()
+    for known in KNOWN_PAIRS:
+        if known.target_contains in t and known.draft_contains in d:
+            return known.min_accept, known.source
+    return None
+
+
+def env_list(name: str, default: tuple) -> tuple:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -69,7 +108,7 @@ def _env_list(name: str, default: tuple) -> tuple:
     return tuple(cast(x.strip()) for x in raw.split(",") if x.strip())
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     try:
         import torch
     except ImportError:
@@ -79,7 +118,7 @@ def _gpu_count() -> int:
 
 def missing_prerequisite() -> str | None:
     """Why the e2e suite cannot run here, or None."""
-    if _gpu_count() == 0:
+    if gpu_count() == 0:
         return "needs CUDA GPUs: torch sees none here"
     if importlib.util.find_spec("sglang") is None:
         return "needs sglang (pip install sglang==0.5.23)"
@@ -90,14 +129,9 @@ def missing_prerequisite() -> str | None:
     return None
 
 
-def require_gpus(tp: int) -> None:
-    have = _gpu_count()
-    if tp > have:
-        pytest.skip(f"tp={tp} needs {tp} GPUs; this host has {have}")
-
-
-def gpu_env(tp: int) -> dict[str, str]:
-    """Environment pinning a launch to the first ``tp`` GPUs this test process may use."""
+def gpu_env(tp: int, plugin: bool = True) -> dict[str, str]:
+    """Environment pinning a launch to the first ``tp`` GPUs this process may use, with the
+    plugin on (or off through its kill switch, for an upstream reference)."""
     env = dict(os.environ)
     visible = env.get("CUDA_VISIBLE_DEVICES")
     ids = [x for x in visible.split(",") if x] if visible else [str(i) for i in range(tp)]
@@ -105,43 +139,95 @@ def gpu_env(tp: int) -> dict[str, str]:
     plugins = env.get("SGLANG_PLUGINS")
     if plugins and "sglang_sm120" not in plugins.split(","):
         env["SGLANG_PLUGINS"] = plugins + ",sglang_sm120"
-    env.pop("SGLANG_SM120_DISABLE", None)
+    env.pop(DISABLE_ENV, None)
+    if not plugin:
+        env[DISABLE_ENV] = "1"
     return env
+
+
+def model_config(model: str) -> dict[str, Any]:
+    """The model's config.json: a local folder, else the HF cache through transformers."""
+    path = Path(model) / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model).to_dict()
+
+
+def model_arch(model: str) -> str:
+    return model_config(model)["architectures"][0]
+
+
+def _text_config(model: str) -> dict[str, Any]:
+    config = model_config(model)
+    return config.get("text_config") or config  # multimodal models nest the language model
+
+
+def num_layers(model: str) -> int:
+    return int(_text_config(model)["num_hidden_layers"])
+
+
+def hidden_size(model: str) -> int:
+    return int(_text_config(model)["hidden_size"])
+
+
+def chat_prompts(target: str, prompts: tuple[str, ...] = REAL_PROMPTS) -> tuple[str, ...]:
+    """The prompts in the target's chat format when it has one (drafts are trained on it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if not getattr(tokenizer, "chat_template", None):
+        return prompts
+    return tuple(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    )
 
 
 # ---------------------------------------------------------------- plan (what the plugin chooses)
 
-_PLANS: dict[tuple[int, str, str], dict[str, Any]] = {}
+_PLANS: dict[tuple[int, str, str, int | None], dict[str, Any]] = {}
 
 
-def plan_for(tp: int, model_arch: str, backend: str) -> dict[str, Any]:
-    """``sglang-sm120 doctor --json`` plan for this host at ``tp`` with the backend asked for."""
-    key = (tp, model_arch, backend)
+def plan_for(tp: int, model_arch: str, backend: str, hidden: int | None = None) -> dict[str, Any]:
+    """``sglang-sm120 doctor --json`` plan for this host at ``tp`` with the backend asked for,
+    in the environment the server gets; ``hidden`` picks the tuning table the server reads."""
+    key = (tp, model_arch, backend, hidden)
     if key not in _PLANS:
         env = gpu_env(tp)
         env[BACKEND_ENV] = backend
-        cmd = ["sglang-sm120", "doctor", "--json", "--tp", str(tp), "--model-arch", model_arch]
-        done = subprocess.run(
-            cmd + BACKEND_DOCTOR_ARGS[backend],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        cli = [sys.executable, "-m", "sglang_sm120.cli"]
+        cmd = [*cli, "doctor", "--json", "--tp", str(tp), "--model-arch", model_arch]
+        cmd += ["--hidden", str(hidden)] if hidden else []
+        try:
+            done = subprocess.run(
+                cmd + BACKEND_DOCTOR_ARGS[backend],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{' '.join(cmd)} did not finish in {exc.timeout} s") from exc
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr}")
         _PLANS[key] = json.loads(done.stdout)["plan"]
     return _PLANS[key]
 
 
-def expected_fusion(tp: int, model_arch: str, backend: str) -> str | None:
-    """The fusion backend the plan promises, or skip when it refuses the one asked for."""
-    plan = plan_for(tp, model_arch, backend)
+def refused_backend(
+    tp: int, model_arch: str, backend: str, hidden: int | None = None
+) -> str | None:
+    """Why the plan does not give the fused backend asked for by name, or None."""
+    plan = plan_for(tp, model_arch, backend, hidden)
     fusion = plan.get("fusion_backend")
-    reasons = "; ".join(plan.get("reasons", []))
     if backend in ("trtllm", "sm120_pcie") and fusion != backend:
-        pytest.skip(f"plan gives fusion={fusion} for {backend} at tp={tp} here: {reasons}")
-    return fusion
+        reasons = "; ".join(plan.get("reasons", []))
+        return f"plan gives fusion={fusion} for {backend} at tp={tp} here: {reasons}"
+    return None
 
 
 # ---------------------------------------------------------------- servers
@@ -149,7 +235,8 @@ def expected_fusion(tp: int, model_arch: str, backend: str) -> str | None:
 
 @dataclass(frozen=True)
 class Launch:
-    """One server launch; equal launches share one server and one result."""
+    """One server launch; equal launches share one server and one result. ``plugin=False``
+    launches upstream alone (the plugin's kill switch), fusion off: the reference."""
 
     target: str
     tp: int
@@ -158,6 +245,13 @@ class Launch:
     tree: tuple[int, int, int] = SMALL_TREE
     prompts: tuple[str, ...] = ()
     max_new_tokens: int = GREEDY_TOKENS
+    plugin: bool = True
+
+    @property
+    def name(self) -> str:
+        mode = "eagle3" if self.draft else "plain"
+        plugin = "" if self.plugin else "-plugin-off"
+        return f"{Path(self.target).name}-tp{self.tp}-{self.backend}-{mode}{plugin}"
 
     def server_args(self, port: int) -> list[str]:
         args = [
@@ -212,6 +306,7 @@ class RunResult:
     stats_after: dict[int, dict[str, Any]]
     log: Path
     stats_problem: str | None = None
+    startup_s: float = 0.0
 
     @property
     def verify_count(self) -> int:
@@ -228,6 +323,16 @@ class RunResult:
         if self.verify_count == 0:
             return 0.0
         return self.completion_tokens / self.verify_count
+
+
+class ServerFailed(RuntimeError):
+    """A server exited, never became ready or broke off while answering; ``log`` keeps why,
+    ``stats_dir`` what the plugin counted until then (a peer timeout, say)."""
+
+    def __init__(self, message: str, log: Path, stats_dir: Path | None = None) -> None:
+        super().__init__(message)
+        self.log = log
+        self.stats_dir = stats_dir
 
 
 def _free_port() -> int:
@@ -265,13 +370,19 @@ def count(stats: dict[str, Any], key: str, mode: str = VERIFY_MODE) -> int:
 
 
 class ServerRuns:
-    """Launch servers on demand, one at a time, and memoise their results."""
+    """Launch servers on demand, one at a time, and memoise their results. ``progress``, when
+    given, hears a line per stage and one every ``progress_every_s`` while a server starts."""
 
-    def __init__(self, work_dir: Path, log_dir: Path) -> None:
+    def __init__(
+        self, work_dir: Path, log_dir: Path, progress: Callable[[str], None] | None = None
+    ) -> None:
         self.work_dir = work_dir
         self.log_dir = log_dir
         self.results: dict[Launch, RunResult] = {}
         self.startup_s = float(os.environ.get("SGLANG_SM120_E2E_STARTUP_S", "900"))
+        self.progress = progress or (lambda line: None)
+        self.progress_every_s = 15.0
+        self.started = 0
 
     def get(self, launch: Launch) -> RunResult:
         if launch not in self.results:
@@ -279,17 +390,17 @@ class ServerRuns:
         return self.results[launch]
 
     def _run(self, launch: Launch) -> RunResult:
-        index = len(self.results)
+        index = self.started
+        self.started += 1
         stats_dir = self.work_dir / f"stats-{index}"
         stats_dir.mkdir(parents=True)
-        name = f"{index:02d}-{Path(launch.target).name}-tp{launch.tp}-{launch.backend}"
-        name += "-eagle3" if launch.draft else "-plain"
-        log = self.log_dir / f"{name}.log"
-        env = gpu_env(launch.tp)
+        log = self.log_dir / f"{index:02d}-{launch.name}.log"
+        env = gpu_env(launch.tp, plugin=launch.plugin)
         env[BACKEND_ENV] = launch.backend
         env[STATS_ENV] = str(stats_dir)
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
+        self.progress(f"starting server {launch.name} on port {port} (log {log})")
         with open(log, "w") as log_file:
             proc = subprocess.Popen(
                 launch.server_args(port),
@@ -299,25 +410,43 @@ class ServerRuns:
                 start_new_session=True,  # its own process group: stopped as one below
             )
         try:
-            self._wait_ready(proc, url, log)
-            return self._collect(launch, url, stats_dir, log)
+            startup_s = self._wait_ready(proc, url, log)
+            self.progress(f"server {launch.name} ready after {startup_s:.0f} s; sending requests")
+            result = self._collect(launch, url, stats_dir, log)
+            result.startup_s = startup_s
+            return result
+        except ServerFailed as exc:
+            exc.stats_dir = stats_dir
+            raise
+        except Exception as exc:
+            raise ServerFailed(
+                f"server stopped answering ({exc}); exit code {proc.poll()}:\n{_tail(log)}",
+                log,
+                stats_dir,
+            ) from exc
         finally:
             _stop(proc)
+            self.progress(f"server {launch.name} stopped")
 
-    def _wait_ready(self, proc: subprocess.Popen, url: str, log: Path) -> None:
+    def _wait_ready(self, proc: subprocess.Popen, url: str, log: Path) -> float:
+        """Seconds until /health answered 200; ServerFailed when it exits or times out."""
         import requests
 
-        deadline = time.monotonic() + self.startup_s
-        while time.monotonic() < deadline:
+        start = time.monotonic()
+        next_note = start + self.progress_every_s
+        while time.monotonic() < start + self.startup_s:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log)}")
+                raise ServerFailed(f"server exited with {proc.returncode}:\n{_tail(log)}", log)
             try:
                 if requests.get(url + "/health", timeout=5).status_code == 200:
-                    return
+                    return time.monotonic() - start
             except requests.RequestException:
                 pass
-            time.sleep(2)
-        raise RuntimeError(f"server not ready after {self.startup_s:.0f} s:\n{_tail(log)}")
+            if time.monotonic() >= next_note:
+                self.progress(f"  still starting, {time.monotonic() - start:.0f} s")
+                next_note += self.progress_every_s
+            time.sleep(1)
+        raise ServerFailed(f"server not ready after {self.startup_s:.0f} s:\n{_tail(log)}", log)
 
     def _collect(self, launch: Launch, url: str, stats_dir: Path, log: Path) -> RunResult:
         sampling = {"temperature": 0.0, "max_new_tokens": launch.max_new_tokens, "ignore_eos": True}
@@ -332,13 +461,18 @@ class ServerRuns:
         def sync() -> Any:  # the tiny request that makes the plugin rewrite its stats
             return generate(launch.prompts[0], 2)
 
-        before, problem = sync_stats(stats_dir, launch.tp, sync)
+        def stats() -> tuple[dict[int, dict[str, Any]], str | None]:
+            if not launch.plugin:  # upstream alone writes no stats
+                return {}, None
+            return sync_stats(stats_dir, launch.tp, sync)
+
+        before, problem = stats()
         seq_ids, seq_meta = [], []
         for prompt in launch.prompts:
             out = generate(prompt)
             seq_ids.append(list(out["output_ids"]))
             seq_meta.append(out["meta_info"])
-        after, problem_after = sync_stats(stats_dir, launch.tp, sync)
+        after, problem_after = stats()
         result = RunResult(
             launch, seq_ids, [], seq_meta, before, after, log, problem or problem_after
         )
@@ -373,18 +507,44 @@ def sync_stats(
         time.sleep(0.2)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server we started and its workers (its own process group)."""
-    if proc.poll() is not None:
-        return
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """Stop the server we started and every process of its group: SIGTERM, then SIGKILL to
+    whatever is left, also when the launcher itself already exited and left workers behind.
+    SIGINT/SIGTERM to us wait until this is done (they are delivered right after)."""
+    interrupts = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, interrupts)
+    try:
+        _stop_group(proc, grace_s)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+    except ProcessLookupError:  # the whole group is gone already
+        proc.wait()
+        return
+    try:
+        proc.wait(timeout=grace_s)
+        settle = time.monotonic() + 10  # its workers exit right after the launcher
+        while _group_alive(proc.pid) and time.monotonic() < settle:
+            time.sleep(0.2)
     except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
     except ProcessLookupError:
         pass
+    proc.wait(timeout=30)
 
 
 def _tail(path: Path, lines: int = 60) -> str:

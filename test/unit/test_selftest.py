@@ -1,0 +1,335 @@
+"""``sglang-sm120 selftest``'s verdict and its refusals, on CPU.
+
+The verdict is computed from what two server runs produced (``e2e.RunResult``) and the plan;
+each test breaks one thing a real SM120 run can get wrong and names the check that must catch
+it. The server lifecycle (stop on failure and on signals) is tested against the fake server in
+test/e2e/test_selftest_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang_sm120 import e2e, selftest
+from sglang_sm120.facts import GpuInfo, HostFacts
+from sglang_sm120.selftest import AcceptFloor, Outcome, evaluate
+
+TP = 2
+LAYERS = 5
+PLAN_OFF = {"fusion_backend": None, "plain_allreduce": "pcie_ipc", "reasons": []}
+PLAN_FUSED = {"fusion_backend": "sm120_pcie", "plain_allreduce": "sm120_pcie", "reasons": []}
+OUTPUTS = [[5, 12, 19, 26], [40, 47, 54, 61], [7, 14, 21, 28]]
+SUCCESSOR = [(t + 7) % 100 for t in range(100)]
+FLOOR = AcceptFloor(1.8, "designed 2.0")
+
+
+def stats(plan: dict, replays: int, captures: int = 3, fused: int = 0, **extra) -> dict:
+    return {
+        "fusion_backend": plan["fusion_backend"],
+        "plain_allreduce": plan["plain_allreduce"],
+        "graph_captures": {e2e.VERIFY_MODE: captures},
+        "graph_replays": {e2e.VERIFY_MODE: replays},
+        "fused_allreduce_in_capture": {e2e.VERIFY_MODE: fused} if fused else {},
+        **extra,
+    }
+
+
+def runs(plan: dict = PLAN_OFF, fused: int = 0) -> tuple[e2e.RunResult, e2e.RunResult]:
+    """A reference and an EAGLE-3 run that pass every check: 3 prompts x 4 tokens, 2 verify
+    passes each (accept length 2.0), 6 replays on each rank."""
+    launch = e2e.Launch("t", TP, "auto", prompts=("a", "b", "c"))
+    outputs = [list(o) for o in OUTPUTS]
+    reference = e2e.RunResult(
+        launch, outputs, outputs, [{"completion_tokens": 4}] * 3, {}, {}, Path("ref.log")
+    )
+    meta = [{"completion_tokens": 4, "spec_verify_ct": 2}] * 3
+    before = {r: stats(plan, replays=10) for r in range(TP)}
+    after = {r: stats(plan, replays=16, fused=fused) for r in range(TP)}
+    spec = e2e.RunResult(
+        dataclasses.replace(launch, draft="d"),
+        [list(o) for o in OUTPUTS],
+        [list(o) for o in OUTPUTS],
+        meta,
+        before,
+        after,
+        Path("spec.log"),
+    )
+    return reference, spec
+
+
+def checks_of(
+    reference, spec, plan=PLAN_OFF, failures=None, floor=FLOOR, stats_at_failure=None
+) -> list[selftest.Check]:
+    """The verdict for two runs (None: that server failed, for the reason in ``failures``)."""
+    failures = failures or {}
+    return evaluate(
+        tp=TP,
+        reference=Outcome(reference, failures.get("reference", "")),
+        spec=Outcome(spec, failures.get("eagle3", ""), stats_at_failure or {}),
+        plan=plan,
+        layers=LAYERS,
+        floor=floor,
+        successor=SUCCESSOR,
+    )
+
+
+def verdict(*args, **kwargs) -> dict[str, selftest.Check]:
+    return {c.check: c for c in checks_of(*args, **kwargs)}
+
+
+def failed(checks: dict[str, selftest.Check]) -> list[str]:
+    return [name for name, c in checks.items() if not c.passed]
+
+
+def test_runs_that_did_everything_right_pass_every_check() -> None:
+    checks = verdict(*runs())
+    assert failed(checks) == []
+    assert len(checks) == 10
+    assert checks["TARGET_VERIFY CUDA graph replayed"].seen == "6 on each of 2 ranks"
+    assert checks["accept length"].seen.startswith("2.00 (12 tokens / 6 verify passes)")
+
+
+def test_one_token_off_in_the_speculative_output_fails_greedy_equality() -> None:
+    reference, spec = runs()
+    spec.sequential_ids[1][2] = 99
+    checks = verdict(reference, spec)
+    assert failed(checks) == ["greedy output: EAGLE-3 == plain reference"]
+    assert "one-at-a-time prompt 1: token 2: 99 instead of 54" in checks[failed(checks)[0]].seen
+
+
+def test_batched_speculative_output_is_compared_too() -> None:
+    reference, spec = runs()
+    spec.batched_ids[0] = spec.batched_ids[0][:3]
+    checks = verdict(reference, spec)
+    assert "batched prompt 0: 3 tokens instead of 4" in checks[failed(checks)[0]].seen
+
+
+def test_a_reference_that_breaks_the_designed_chain_fails_its_own_check() -> None:
+    reference, spec = runs()
+    reference.sequential_ids[2][3] = 50
+    spec.sequential_ids[2][3] = spec.batched_ids[2][3] = 50  # equal, but both wrong
+    assert failed(verdict(reference, spec)) == ["reference follows the fixture's designed tokens"]
+
+
+def test_verify_passes_run_eagerly_fail_the_replay_check() -> None:
+    reference, spec = runs()
+    spec.stats_after[1] = stats(PLAN_OFF, replays=13)  # 3 replays for 6 verify passes
+    checks = verdict(reference, spec)
+    assert failed(checks) == ["TARGET_VERIFY CUDA graph replayed"]
+    assert checks["TARGET_VERIFY CUDA graph replayed"].seen == "rank 0: 6, rank 1: 3"
+
+
+def test_no_verify_graph_captured_fails() -> None:
+    reference, spec = runs()
+    spec.stats_after[0] = stats(PLAN_OFF, replays=16, captures=0)
+    assert "TARGET_VERIFY CUDA graph captured" in failed(verdict(reference, spec))
+
+
+def test_a_rank_without_stats_fails_the_graph_checks_by_name() -> None:
+    reference, spec = runs()
+    del spec.stats_after[1]
+    checks = verdict(reference, spec)
+    assert checks["TARGET_VERIFY CUDA graph captured"].seen == "no stats from ranks [1]"
+    assert not checks["TARGET_VERIFY CUDA graph replayed"].passed
+
+
+def test_the_harness_stats_problem_is_shown() -> None:
+    reference, spec = runs()
+    spec.stats_problem = "fresh stats from ranks [0] of 2"
+    checks = verdict(reference, spec)
+    assert checks["TARGET_VERIFY CUDA graph captured"].seen == "fresh stats from ranks [0] of 2"
+    assert not checks["TARGET_VERIFY CUDA graph captured"].passed
+
+
+def test_fusion_on_in_the_plan_needs_a_fused_call_per_layer_in_every_verify_graph() -> None:
+    reference, spec = runs(PLAN_FUSED, fused=LAYERS * 3)
+    assert failed(verdict(reference, spec, PLAN_FUSED)) == []
+    spec.stats_after[1]["fused_allreduce_in_capture"] = {e2e.VERIFY_MODE: LAYERS * 3 - 1}
+    checks = verdict(reference, spec, PLAN_FUSED)
+    assert failed(checks) == ["fused all-reduce + RMSNorm in the verify graph"]
+
+
+def test_fused_calls_when_the_plan_says_fusion_off_fail() -> None:
+    reference, spec = runs(PLAN_OFF, fused=2)
+    assert failed(verdict(reference, spec)) == ["fused all-reduce + RMSNorm in the verify graph"]
+
+
+def test_off_sm12x_upstream_chooses_and_its_fusion_is_checked_in_the_graph() -> None:
+    """The plan leaves non-SM12x hosts to upstream (e.g. trtllm on SM90): whatever the ranks
+    run is fine, but a rank that fuses must have its fused calls in the verify graph."""
+    upstream = {"managed": False, "fusion_backend": None, "plain_allreduce": "upstream"}
+    served = {"fusion_backend": "trtllm", "plain_allreduce": "upstream", "reasons": []}
+    reference, spec = runs(served, fused=LAYERS * 3)
+    assert failed(verdict(reference, spec, upstream)) == []
+    spec.stats_after[0]["fused_allreduce_in_capture"] = {}
+    assert failed(verdict(reference, spec, upstream)) == [
+        "fused all-reduce + RMSNorm in the verify graph"
+    ]
+
+
+def test_without_doctors_plan_the_run_cannot_pass() -> None:
+    checks = verdict(*runs(), plan=None)
+    assert failed(checks) == ["ranks run the plan"]
+    assert checks["ranks run the plan"].seen == "no plan"
+
+
+def test_a_rank_running_another_plan_fails() -> None:
+    reference, spec = runs()
+    spec.stats_after[1]["plain_allreduce"] = "nccl"
+    checks = verdict(reference, spec)
+    assert failed(checks) == ["ranks run the plan"]
+    assert "rank 1: fusion=off, plain all-reduce=nccl" in checks["ranks run the plan"].seen
+
+
+def test_accept_length_below_the_floor_fails() -> None:
+    reference, spec = runs()
+    spec.sequential_meta = [{"completion_tokens": 4, "spec_verify_ct": 3}] * 3  # 1.33
+    for rank in spec.stats_after:
+        spec.stats_after[rank]["graph_replays"] = {e2e.VERIFY_MODE: 19}
+    checks = verdict(reference, spec)
+    assert failed(checks) == ["accept length"]
+    assert checks["accept length"].expected == ">= 1.80 (designed 2.0)"
+
+
+def test_without_a_known_threshold_any_accepted_draft_token_is_enough() -> None:
+    floor = AcceptFloor(1.0, "no threshold", strict=True)
+    assert floor.met(1.01) and not floor.met(1.0)
+
+
+def test_a_peer_timeout_on_one_rank_fails_and_is_quoted() -> None:
+    reference, spec = runs()
+    spec.stats_after[0]["peer_error"] = None  # null: the check ran and did not fire
+    spec.stats_after[1]["peer_error"] = "peer 0 did not arrive within 60000 ms"
+    checks = verdict(reference, spec)
+    assert failed(checks) == ["no peer timeout (sm120_pcie)"]
+    assert "rank 1: peer 0 did not arrive" in checks["no peer timeout (sm120_pcie)"].seen
+
+
+def test_a_failed_eagle3_server_fails_with_its_reason() -> None:
+    reference, _ = runs()
+    why = "server exited with 1; log ends: ValueError: x (log: /tmp/l/01.log)"
+    checks = verdict(reference, None, failures={"eagle3": why})
+    assert checks["EAGLE-3 server (plugin on, CUDA graphs)"].seen == why
+    assert failed(checks) == ["EAGLE-3 server (plugin on, CUDA graphs)"]
+
+
+def test_a_server_killed_by_a_peer_timeout_still_names_it_from_the_stats_it_wrote() -> None:
+    reference, _ = runs()
+    written = {0: stats(PLAN_OFF, replays=3, peer_error="peer 1 did not arrive")}
+    checks = verdict(reference, None, failures={"eagle3": "exited"}, stats_at_failure=written)
+    assert checks["no peer timeout (sm120_pcie)"].seen == "rank 0: peer 1 did not arrive"
+    assert not checks["no peer timeout (sm120_pcie)"].passed
+
+
+def test_a_failed_reference_fails_the_run_but_the_eagle3_checks_still_report() -> None:
+    _, spec = runs()
+    checks = verdict(None, spec, failures={"reference": "server not ready after 900 s"})
+    assert failed(checks) == ["reference server (upstream alone, plain)"]
+    assert "greedy output: EAGLE-3 == plain reference" not in checks
+    assert "accept length" in checks
+
+
+def test_the_verdict_table_has_a_row_per_check_and_says_fail() -> None:
+    reference, spec = runs()
+    spec.stats_after[1]["peer_error"] = "timeout"
+    checks = checks_of(reference, spec)
+    lines = selftest.format_verdict(checks).splitlines()
+    assert lines[0].split() == ["check", "expected", "seen", "result"]
+    assert len(lines) == 2 + len(checks)
+    assert lines[-1].startswith("no peer timeout") and lines[-1].endswith("FAIL")
+
+
+# ---------------------------------------------------------------- can it run here
+
+
+def gpus(n: int) -> HostFacts:
+    return HostFacts(
+        "test", gpus=tuple(GpuInfo(i, "NVIDIA RTX PRO 6000", (12, 0)) for i in range(n))
+    )
+
+
+def test_no_gpu_is_one_line_with_the_probe_error() -> None:
+    reason = selftest.cannot_run(HostFacts("nvml", probe_error="NVML unavailable: x"), None)
+    assert "no NVIDIA GPU" in reason and "NVML unavailable: x" in reason and "\n" not in reason
+
+
+def test_fewer_gpus_than_tp_is_refused_with_the_count() -> None:
+    assert "--tp 4 needs 4 GPUs; this host has 2" in selftest.cannot_run(gpus(2), 4)
+    assert selftest.cannot_run(gpus(2), 2) is None and selftest.cannot_run(gpus(1), None) is None
+
+
+@pytest.mark.parametrize("have,tp", [(1, 1), (2, 2), (3, 2), (7, 4), (8, 8), (16, 8)])
+def test_default_tp_is_the_largest_size_the_tiny_models_shard_to(have, tp) -> None:
+    assert selftest.default_tp(have) == tp
+
+
+def test_a_topology_profile_plans_but_does_not_count_as_gpus(monkeypatch) -> None:
+    """SGLANG_SM120_TOPOLOGY describes 8 GPUs for the plan; the GPUs to run on come from NVML."""
+    from sglang_sm120.facts import current_facts
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    current_facts.cache_clear()
+    try:
+        assert len(current_facts().gpus) == 8
+        assert selftest.visible_gpus().source == "nvml"
+    finally:
+        current_facts.cache_clear()
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    exe = shutil.which("sglang-sm120", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "sglang_sm120.cli"]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
+    full_env.update(env or {})
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        ((), {}),
+        (("--tp", "2", "--json"), {}),
+        (("--tp", "8"), {"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie"}),
+    ],
+    ids=["plain", "json", "with-a-profile"],
+)
+def test_selftest_without_gpus_says_so_in_one_line_and_exits_2(args, env) -> None:
+    if selftest.visible_gpus().gpus:
+        pytest.skip("this machine has GPUs; the no-GPU answer is checked on CPU CI")
+    done = _cli("selftest", *args, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sglang-sm120 selftest: no NVIDIA GPU visible")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--target", "/m/t"), "--target and --draft go together"),
+        (("--tp", "3"), "the tiny models shard to tp 1, 2, 4, 8, not 3"),
+        (("--tp", "0", "--target", "/m/t", "--draft", "/m/d"), "--tp must be at least 1, not 0"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys) -> None:
+    from sglang_sm120.cli import main
+
+    assert main(["selftest", *args]) == 2
+    assert capsys.readouterr().err.strip() == f"sglang-sm120 selftest: {message}"
+
+
+def test_a_target_whose_config_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    from sglang_sm120.cli import main
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text("{not json")
+    assert main(["selftest", "--target", str(tmp_path / "t"), "--draft", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"sglang-sm120 selftest: cannot read the config of --target {tmp_path}")
+    assert "\n" not in err
