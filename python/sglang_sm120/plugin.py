@@ -15,6 +15,7 @@ from importlib import metadata
 from sglang_sm120 import SGLANG_PIN, __version__
 from sglang_sm120.contract import Symbol, check, resolve
 from sglang_sm120.runtime import PATCH_STATUS, load_capability, log_once, logger
+from sglang_sm120.topology import TopologyError
 
 DISABLE_ENV = "SGLANG_SM120_DISABLE"
 _REGISTRY = "sglang.srt.plugins.hook_registry.HookRegistry"
@@ -114,6 +115,9 @@ def register() -> None:
             logging.INFO,
             f"sglang-sm120 {__version__}: {'; '.join(cap.reasons)}; patches: {summary}",
         )
+    except TopologyError as exc:  # a bad SGLANG_SM120_TOPOLOGY: one clear line, no traceback
+        logger.error("sglang-sm120: applying nothing: %s", exc)
+        _set_all(f"refused ({exc})")
     except Exception:
         logger.exception("sglang-sm120: plugin failed to load; SGLang runs unpatched")
         _set_all("refused (plugin error; see the log)")
