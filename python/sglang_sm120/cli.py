@@ -108,7 +108,8 @@ def _check_tp(facts: HostFacts, tp_size: int, nnodes: int) -> None:
     available = len(facts.gpus) * nnodes
     if tp_size > available:
         raise UsageError(
-            f"--tp {tp_size} needs {tp_size} GPUs; {facts.source} has {len(facts.gpus)}"
+            f"--tp {tp_size} needs {tp_size} GPU{'s' if tp_size > 1 else ''}; "
+            f"{facts.source} has {len(facts.gpus)}"
             + (f" x {nnodes} nodes" if nnodes > 1 else "")
             + " (pass --nnodes for a multi-node deployment)"
         )

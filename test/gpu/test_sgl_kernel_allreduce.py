@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_library import KERNEL_REQUIRED_ENV, kernel_required
 
 try:
     import sgl_kernel_sm120 as sk
@@ -55,8 +56,8 @@ def _library() -> None:
     try:
         _lib.lib()
     except _lib.LibraryError as exc:
-        if os.environ.get("SGL_KERNEL_SM120_REQUIRED") == "1":
-            pytest.fail(f"SGL_KERNEL_SM120_REQUIRED=1 but the library is unusable: {exc}")
+        if kernel_required():
+            pytest.fail(f"{KERNEL_REQUIRED_ENV}=1 but the library is unusable: {exc}")
         pytest.skip(f"sgl-kernel-sm120 library not built: {exc}")
 
 

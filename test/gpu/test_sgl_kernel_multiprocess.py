@@ -5,7 +5,6 @@ over a gloo group. Ranks use GPU `rank % device_count`: on one GPU the processes
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from kernel_library import KERNEL_REQUIRED_ENV, kernel_required
 
 try:
     import sgl_kernel_sm120 as sk
@@ -45,8 +45,8 @@ def _library() -> None:
     try:
         _lib.lib()
     except _lib.LibraryError as exc:
-        if os.environ.get("SGL_KERNEL_SM120_REQUIRED") == "1":
-            pytest.fail(f"SGL_KERNEL_SM120_REQUIRED=1 but the library is unusable: {exc}")
+        if kernel_required():
+            pytest.fail(f"{KERNEL_REQUIRED_ENV}=1 but the library is unusable: {exc}")
         pytest.skip(f"sgl-kernel-sm120 library not built: {exc}")
 
 

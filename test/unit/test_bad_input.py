@@ -124,7 +124,7 @@ ROWS = [
         ["plan", "--topology", "{file}", "--tp", "1"],
         topology(gpus=[], p2p="none"),
         {},
-        "--tp 1 needs 1 GPUs; file:",
+        "--tp 1 needs 1 GPU; file:",
     ),
     (
         "no p2p",

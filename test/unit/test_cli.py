@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from kernel_library import expected_sm120_pcie_status, require_kernel_package
 
 KIMI = "KimiK25ForConditionalGeneration"
 
@@ -109,6 +110,7 @@ def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     stats = report["patches"].pop("graph_stats")
+    assert report["patches"].pop("sm120_pcie_backend") == expected_sm120_pcie_status()
     assert set(report["patches"].values()) == {"applied"}
     assert stats == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert report["plan"]["plain_allreduce"] == "pcie_ipc"
@@ -146,6 +148,7 @@ def test_doctor_shows_the_tuning_table_in_use_and_its_routes(tmp_path, monkeypat
     from sglang_sm120.facts import load_profile
     from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
 
+    require_kernel_package()  # the routes use sm120_pcie, which needs the kernel
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
     ms = (
         Measurement("sm120_pcie", 16, 9.0, True),

@@ -2,7 +2,7 @@
 
 Runs on CPU: `cuobjdump --list-elf` reads the fat binary without a GPU. cuobjdump is taken from
 $CUOBJDUMP, PATH, $CUDA_HOME/bin, or the `nvidia-cuda-cuobjdump` wheel. Without the installed
-package the test skips, unless SGL_KERNEL_SM120_REQUIRED=1 (CI), where it fails.
+package the test skips, unless SGLANG_SM120_KERNEL_REQUIRED=1 (CI), where it fails.
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kernel_library import KERNEL_REQUIRED_ENV, kernel_required
 
 LIBRARY_NAME = "libsgl_kernel_sm120.so"
 
 
-def _required() -> bool:
-    return os.environ.get("SGL_KERNEL_SM120_REQUIRED") == "1"
-
-
 def _missing(reason: str) -> None:
-    if _required():
-        pytest.fail(f"SGL_KERNEL_SM120_REQUIRED=1: {reason}")
+    if kernel_required():
+        pytest.fail(f"{KERNEL_REQUIRED_ENV}=1: {reason}")
     pytest.skip(reason)
 
 
