@@ -5,6 +5,8 @@
 - CUDA modules load eagerly: tests that emulate ranks as streams of one process have them spin
   on each other, and a lazily loaded kernel would wait for them.
 - Config-only model directories, enough for ServerArgs resolution on CPU.
+- ``kernel_library.py`` beside this file: whether sgl-kernel-sm120 is here, for the tests that
+  need it (they skip with the reason without it, or fail where SGLANG_SM120_KERNEL_REQUIRED=1).
 """
 
 from __future__ import annotations

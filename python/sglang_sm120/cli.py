@@ -9,9 +9,14 @@ sglang-sm120 tune --tp N [--hidden H] [--tokens T ...]
 sglang-sm120 warmup [--dry-run] [--vocab-size V]
     compile the JIT kernels the server needs on this GPU, before the server starts
 sglang-sm120 profiles
-    the embedded machine profiles
+    the embedded machine profiles, one line each
 sglang-sm120 selftest [--tp N] [--target PATH --draft PATH] [--json] [--keep-logs DIR]
     start SGLang servers on this machine's GPUs and check the EAGLE-3 fast path end to end
+sglang-sm120 --version
+    this plugin's version, the sglang it is pinned to, and the installed kernel package
+
+Bad input (a flag out of range, a topology that does not follow the schema in topology.py, no
+importable sglang) is one line on stderr and exit status 2, before anything else is printed.
 """
 
 from __future__ import annotations
@@ -19,12 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
-from typing import Any
+from importlib import metadata
+from typing import Any, NoReturn
 
 from sglang_sm120 import SGLANG_PIN, __version__
-from sglang_sm120.facts import HostFacts, current_facts, facts_from_spec, profile_names
+from sglang_sm120.facts import (
+    HostFacts,
+    current_facts,
+    load_profile,
+    load_topology,
+    profile_descriptions,
+    profile_names,
+)
 from sglang_sm120.policy import (
     PLUGIN_BACKEND_CHOICES,
     PLUGIN_BACKEND_ENV,
@@ -32,12 +46,84 @@ from sglang_sm120.policy import (
     Deployment,
     plan_allreduce,
 )
+from sglang_sm120.topology import TopologyError
+
+KERNEL_DISTRIBUTION = "sgl-kernel-sm120"
+
+
+class UsageError(ValueError):
+    """Input the command cannot use; main() prints it as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (no usage block), still exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _capability(text: str) -> tuple[int, int]:
+    """'12.0' or '12' -> (12, 0)."""
+    match = re.fullmatch(r"(\d{1,2})(?:\.(\d))?", text.strip())
+    if not match or not 1 <= int(match[1]) <= 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability such as 12.0")
+    return int(match[1]), int(match[2] or 0)
+
+
+def _installed(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def version_text() -> str:
+    """Plugin version, the pinned sglang and the kernel package, each with what is installed."""
+    return (
+        f"sglang-sm120 {__version__}: sglang {_installed('sglang')} (pinned {SGLANG_PIN}), "
+        f"{KERNEL_DISTRIBUTION} {_installed(KERNEL_DISTRIBUTION)} (pinned {__version__})"
+    )
+
+
+def _require_sglang() -> None:
+    """Planning reads upstream's own tables, so sglang must import; say so in one line."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"sglang is not importable ({exc}); sglang-sm120 {__version__} needs "
+            f"sglang=={SGLANG_PIN} (pip install sglang=={SGLANG_PIN})"
+        ) from None
+
+
+def _check_tp(facts: HostFacts, tp_size: int, nnodes: int) -> None:
+    """A tensor-parallel group cannot be larger than the GPUs it would run on."""
+    available = len(facts.gpus) * nnodes
+    if tp_size > available:
+        raise UsageError(
+            f"--tp {tp_size} needs {tp_size} GPU{'s' if tp_size > 1 else ''}; "
+            f"{facts.source} has {len(facts.gpus)}"
+            + (f" x {nnodes} nodes" if nnodes > 1 else "")
+            + " (pass --nnodes for a multi-node deployment)"
+        )
 
 
 def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> None:
-    parser.add_argument("--tp", type=int, required=tp_required, help="tensor-parallel size")
+    parser.add_argument(
+        "--tp", type=_positive_int, required=tp_required, help="tensor-parallel size"
+    )
     parser.add_argument("--model-arch", help="e.g. KimiK25ForConditionalGeneration")
-    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--nnodes", type=_positive_int, default=1)
     parser.add_argument("--attention-dp", action="store_true")
     parser.add_argument("--moe-a2a-backend", default="none")
     parser.add_argument("--dtype", default="bfloat16")
@@ -50,7 +136,9 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
         choices=PLUGIN_BACKEND_CHOICES,
         help=f"as {PLUGIN_BACKEND_ENV} (default: that variable)",
     )
-    parser.add_argument("--hidden", type=int, default=7168, help="model hidden size (tuning table)")
+    parser.add_argument(
+        "--hidden", type=_positive_int, default=7168, help="model hidden size (tuning table)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -119,12 +207,9 @@ def _plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    spec = args.profile or args.topology
-    try:
-        facts = facts_from_spec(spec)
-    except ValueError as exc:
-        print(f"sglang-sm120 plan: {exc}", file=sys.stderr)
-        return 2
+    facts = load_profile(args.profile) if args.profile else load_topology(args.topology)
+    _check_tp(facts, args.tp, args.nnodes)
+    _require_sglang()
     plan = _plan(facts, args, args.tp)
     if args.json:
         print(json.dumps({**plan.to_json(), "tp": args.tp, "facts_source": facts.source}, indent=1))
@@ -188,11 +273,6 @@ def _plugin_state() -> dict[str, Any]:
     }
 
 
-def _parse_capability(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
-
-
 def _kernel_coverage(capability: tuple[int, int] | None) -> dict[str, Any]:
     """Which compiled kernel libraries have no SASS for this GPU and no PTX to JIT from."""
     if capability is None:
@@ -236,15 +316,12 @@ def _coverage_lines(report: dict[str, Any]) -> list[str]:
 def cmd_doctor(args: argparse.Namespace) -> int:
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
+    if facts.gpus:
+        _check_tp(facts, tp_size, args.nnodes)
+    _require_sglang()
     plan = _plan(facts, args, tp_size, local_tuning=True)
     state = _plugin_state()
-    capability = (
-        _parse_capability(args.capability)
-        if args.capability
-        else facts.gpus[0].capability
-        if facts.gpus
-        else None
-    )
+    capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
     coverage = _kernel_coverage(capability)
     report = {
         "sglang_sm120": __version__,
@@ -296,6 +373,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         calls=args.calls,
         replays=args.replays,
     )
+    current_facts()  # a bad SGLANG_SM120_TOPOLOGY is reported now, not after measuring
     try:
         table, path = run_tune(settings)
     except (RuntimeError, ValueError) as exc:
@@ -307,15 +385,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from sglang_sm120.warmup import format_steps, run_warmup
+    from sglang_sm120.warmup import format_steps, run_warmup, visible_capability
 
-    steps = run_warmup(dry_run=args.dry_run, vocab_size=args.vocab_size)
+    if not args.dry_run and visible_capability() is None:
+        raise UsageError(
+            "no CUDA GPU visible to torch: the JIT builds target the local GPU, so run this on "
+            "the server's machine with its CUDA_VISIBLE_DEVICES (--dry-run lists the steps)"
+        )
+    steps = run_warmup(dry_run=args.dry_run, vocab_size=args.vocab_size, progress=sys.stderr)
     print(format_steps(steps))
     return 1 if any(step.status.startswith("failed") for step in steps) else 0
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
-    print("\n".join(profile_names()))
+    descriptions = profile_descriptions()
+    width = max(map(len, descriptions))
+    print("\n".join(f"{name:<{width}}  {text}" for name, text in descriptions.items()))
     return 0
 
 
@@ -326,16 +411,19 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sglang-sm120",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="this machine: facts, patch statuses, plan")
     _add_deployment_args(doctor, tp_required=False)
     doctor.add_argument(
-        "--capability", help="check kernel images for this compute capability, e.g. 12.0"
+        "--capability",
+        type=_capability,
+        help="check kernel images for this compute capability, e.g. 12.0",
     )
     doctor.set_defaults(func=cmd_doctor)
     plan = sub.add_parser("plan", help="the plan for a machine described by a profile or file")
@@ -345,18 +433,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deployment_args(plan, tp_required=True)
     plan.set_defaults(func=cmd_plan)
     tune = sub.add_parser("tune", help="measure all-reduce backends here, write the tuning table")
-    tune.add_argument("--tp", type=int, required=True)
-    tune.add_argument("--hidden", type=int, default=7168)
+    tune.add_argument("--tp", type=_positive_int, required=True)
+    tune.add_argument("--hidden", type=_positive_int, default=7168)
     tune.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    tune.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1..2048)")
-    tune.add_argument("--calls", type=int, default=20, help="calls per captured graph")
-    tune.add_argument("--replays", type=int, default=10)
+    tune.add_argument(
+        "--tokens", type=_positive_int, nargs="+", help="token counts (default 1..2048)"
+    )
+    tune.add_argument("--calls", type=_positive_int, default=20, help="calls per captured graph")
+    tune.add_argument("--replays", type=_positive_int, default=10)
     tune.add_argument("--json", action="store_true")
     tune.set_defaults(func=cmd_tune)
     warmup = sub.add_parser("warmup", help="compile the server's JIT kernels for this GPU ahead")
     warmup.add_argument("--dry-run", action="store_true", help="list the steps, build nothing")
     warmup.add_argument(
-        "--vocab-size", type=int, default=163840, help="the model's vocabulary size"
+        "--vocab-size", type=_positive_int, default=163840, help="the model's vocabulary size"
     )
     warmup.set_defaults(func=cmd_warmup)
     profiles = sub.add_parser("profiles", help="list the embedded machine profiles")
@@ -370,8 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, TopologyError) as exc:
+        print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from sglang_sm120.topology import TopologyError, check_topology
+
 TOPOLOGY_ENV = "SGLANG_SM120_TOPOLOGY"
 _PROFILE_PACKAGE = "sglang_sm120.profiles"
 _VERSIONED_PACKAGES = (
@@ -104,43 +106,32 @@ def _package_versions() -> dict[str, str | None]:
     return versions
 
 
-def facts_from_json(data: dict[str, Any], source: str) -> HostFacts:
-    """Build facts from a topology document (the format of the embedded profiles).
-
-    Raises ValueError naming the first field that is wrong, so a bad file is reported clearly.
-    """
-    try:
-        gpus = tuple(
-            GpuInfo(
-                index=i,
-                name=str(g["name"]),
-                capability=(int(g["capability"][0]), int(g["capability"][1])),
-                numa_node=None if g.get("numa_node") is None else int(g["numa_node"]),
-                memory_gib=g.get("memory_gib"),
-            )
-            for i, g in enumerate(data["gpus"])
+def facts_from_json(data: Any, source: str) -> HostFacts:
+    """Build facts from a topology document (schema in ``topology.py``; the embedded profiles
+    are examples). Raises TopologyError, one line naming the source and the field."""
+    check_topology(data, source)
+    gpus = tuple(
+        GpuInfo(
+            index=i,
+            name=g["name"],
+            capability=(g["capability"][0], g["capability"][1]),
+            numa_node=g.get("numa_node"),
+            memory_gib=g.get("memory_gib"),
         )
-    except (KeyError, TypeError, IndexError, ValueError) as exc:
-        raise ValueError(
-            f"{source}: each entry of 'gpus' needs 'name' and 'capability' [major, minor] ({exc})"
-        ) from exc
-    p2p_raw = data.get("p2p", "all")
-    if p2p_raw == "all":
+        for i, g in enumerate(data["gpus"])
+    )
+    if data["p2p"] == "all":
         p2p = tuple(tuple(True for _ in gpus) for _ in gpus)
-    elif p2p_raw == "none":
+    elif data["p2p"] == "none":
         p2p = tuple(tuple(a == b for b in range(len(gpus))) for a in range(len(gpus)))
     else:
-        p2p = tuple(tuple(bool(x) for x in row) for row in p2p_raw)
-        if len(p2p) != len(gpus) or any(len(row) != len(gpus) for row in p2p):
-            raise ValueError(
-                f"{source}: 'p2p' must be 'all', 'none' or a {len(gpus)}x{len(gpus)} matrix"
-            )
+        p2p = tuple(tuple(row) for row in data["p2p"])
     return HostFacts(
         source=source,
         gpus=gpus,
         p2p=p2p,
-        has_nvlink=bool(data.get("nvlink", False)),
-        nnodes=int(data.get("nnodes", 1)),
+        has_nvlink=data.get("nvlink", False),
+        nnodes=data.get("nnodes", 1),
         driver_version=data.get("driver_version"),
         cuda_driver_version=data.get("cuda_driver_version"),
         versions=_package_versions(),
@@ -152,22 +143,31 @@ def profile_names() -> list[str]:
     return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
 
 
-def load_profile(name: str) -> HostFacts:
-    """An embedded machine profile by name (see ``profile_names()``)."""
+def _profile_document(name: str) -> dict[str, Any]:
     if name not in profile_names():
-        raise ValueError(
+        raise TopologyError(
             f"unknown profile {name!r}; embedded profiles: {', '.join(profile_names())}"
         )
-    text = resources.files(_PROFILE_PACKAGE).joinpath(f"{name}.json").read_text()
-    return facts_from_json(json.loads(text), source=f"profile:{name}")
+    return json.loads(resources.files(_PROFILE_PACKAGE).joinpath(f"{name}.json").read_text())
+
+
+def profile_descriptions() -> dict[str, str]:
+    """Embedded profile name -> its one-line description."""
+    return {name: _profile_document(name).get("description", "") for name in profile_names()}
+
+
+def load_profile(name: str) -> HostFacts:
+    """An embedded machine profile by name (see ``profile_names()``)."""
+    return facts_from_json(_profile_document(name), source=f"profile:{name}")
 
 
 def load_topology(path: str | os.PathLike[str]) -> HostFacts:
     """A topology JSON file describing another machine."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read topology file {path}: {exc}") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise TopologyError(f"cannot read topology file {path}: {reason}") from exc
     return facts_from_json(data, source=f"file:{path}")
 
 
@@ -279,15 +279,29 @@ def probe_host() -> HostFacts:
 
 
 def facts_from_spec(spec: str) -> HostFacts:
-    """A profile name or a topology file path."""
-    return load_profile(spec) if spec in profile_names() else load_topology(spec)
+    """A profile name or a topology file path; TopologyError when it is neither."""
+    if spec in profile_names():
+        return load_profile(spec)
+    if not Path(spec).exists():
+        raise TopologyError(
+            f"{spec!r} is neither an embedded profile ({', '.join(profile_names())}) "
+            "nor an existing topology JSON file"
+        )
+    return load_topology(spec)
 
 
 @functools.cache
 def current_facts() -> HostFacts:
-    """The facts for this process, read once: ``SGLANG_SM120_TOPOLOGY`` if set, else NVML."""
+    """The facts for this process, read once: ``SGLANG_SM120_TOPOLOGY`` if set, else NVML.
+
+    A bad ``SGLANG_SM120_TOPOLOGY`` raises TopologyError naming the variable."""
     spec = os.environ.get(TOPOLOGY_ENV)
-    return facts_from_spec(spec) if spec else probe_host()
+    if not spec:
+        return probe_host()
+    try:
+        return facts_from_spec(spec)
+    except TopologyError as exc:
+        raise TopologyError(f"{TOPOLOGY_ENV}: {exc}") from None
 
 
 def describe_gpus(gpus: Sequence[GpuInfo]) -> str:

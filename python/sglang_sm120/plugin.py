@@ -34,6 +34,7 @@ from sglang_sm120.runtime import (
     sm12x_capability,
     worker_capability,
 )
+from sglang_sm120.topology import TopologyError
 
 DISABLE_ENV = "SGLANG_SM120_DISABLE"
 _WRAPPER_HOOK_NAME = "hook"  # the closure variable of the registry's wrappers holding the hook
@@ -181,6 +182,9 @@ def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Never raises."""
     try:
         register_patches(process_role())
+    except TopologyError as exc:  # a bad SGLANG_SM120_TOPOLOGY: one clear line, no traceback
+        logger.error("sglang-sm120: applying nothing: %s", exc)
+        _set_all(f"refused ({exc})")
     except Exception:
         logger.exception("sglang-sm120: plugin failed to load; SGLang runs unpatched")
         _set_all("refused (plugin error; see the log)")

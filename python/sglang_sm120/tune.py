@@ -12,7 +12,8 @@ For each token count a decode/verify step can have and the model's hidden size, 
 Ranks are one process per GPU when there are enough GPUs. Otherwise they share one GPU as
 streams of one process: only sm120_pcie can run there (NCCL refuses two ranks on one GPU), the
 numbers are kernel overhead rather than interconnect, and the table is marked so (the policy
-does not use such a table). The timing core (``time_local``, ``per_call_us``,
+does not use such a table). Progress over backends x token counts is a tqdm bar on stderr (rank 0
+draws it). The timing core (``time_local``, ``per_call_us``,
 ``make_add_rmsnorm``) is also what ``benchmark/bench_allreduce.py`` uses.
 """
 
@@ -163,6 +164,17 @@ def close_to_reference(
     return worst <= atol, f"max error over tolerance {worst:.3g} (atol {atol})"
 
 
+def progress_bar(total: int, what: str, show: bool = True) -> Any:
+    """tqdm over (backend, token count) cells on stderr; drawn on a terminal only."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=what, unit="cell", file=sys.stderr, disable=None if show else True
+    )
+
+
 # ------------------------------------------------------------------ ranks sharing one GPU
 
 
@@ -180,8 +192,10 @@ def _tune_local(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
         for b in ("nccl", "pcie_ipc", "trtllm")
     ]
     ranks = LocalRanks(sk.CommWorkspace.create_local(tp, max(settings.tokens), hidden, dtype))
+    bar = progress_bar(len(settings.tokens), f"tune tp={tp} sm120_pcie")
     try:
         for tokens in settings.tokens:
+            bar.set_postfix_str(f"{tokens} tokens")
             xs = [rank_inputs(settings.seed, r, tokens, hidden, dtype) for r in range(tp)]
             residual, weight = shared_operands(settings.seed, tokens, hidden, dtype)
 
@@ -196,7 +210,9 @@ def _tune_local(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
             us = time_local(ranks, fused, settings.calls, settings.replays)
             note = "" if correct else next(why for ok, why in checks if not ok)
             measurements.append(Measurement("sm120_pcie", tokens, us, correct, note))
+            bar.update()
     finally:
+        bar.close()
         ranks.close()
     return measurements, notes
 
@@ -300,6 +316,11 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
     backends = _rank_backends(rank, settings, gloo, add_rmsnorm, skipped)
     stream = torch.cuda.Stream()
     rows = []
+    bar = progress_bar(
+        len(settings.tokens) * len(backends),
+        f"tune tp={settings.tp} {'/'.join(backends)}",
+        show=rank == 0,
+    )
     for tokens in settings.tokens:
         xs = [
             rank_inputs(settings.seed, r, tokens, settings.hidden, dtype)
@@ -307,6 +328,7 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
         ]
         residual, weight = shared_operands(settings.seed, tokens, settings.hidden, dtype)
         for name, fn in backends.items():
+            bar.set_postfix_str(f"{name} {tokens} tokens")
             try:
                 ok, why = close_to_reference(fn(xs[rank], residual, weight), xs, residual, weight)
                 everyone = [None] * settings.tp
@@ -322,6 +344,8 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
                 rows.append(
                     (name, tokens, None, False, f"failed: {type(exc).__name__}: {exc}"[:300])
                 )
+            bar.update()
+    bar.close()
     if rank == 0:
         Path(result_file).write_text(json.dumps({"rows": rows, "skipped": skipped}))
     dist.destroy_process_group()
@@ -384,7 +408,7 @@ def run_tune(settings: TuneSettings) -> tuple[TuningTable, Path]:
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("sglang-sm120 tune needs CUDA GPUs; torch sees none")
+        raise RuntimeError("needs CUDA GPUs; torch sees none")
     if settings.tp < 2:
         raise ValueError("tune needs --tp >= 2: tp=1 has no all-reduce")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # ranks as streams: no lazy loads

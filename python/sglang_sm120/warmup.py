@@ -11,20 +11,25 @@ visible GPUs' archs: run it with the same CUDA_VISIBLE_DEVICES and environment a
         print(step.name, step.status, f"{step.seconds:.1f}s")
 
 Statuses are data the CLI prints: 'built', 'cached' (nothing new was compiled, so a second run
-reports this), 'skipped: <reason>', 'failed: <reason>'. Nothing here raises.
+reports this), 'skipped: <reason>', 'failed: <reason>'. Nothing here raises. A build can take
+minutes, so ``run_warmup(progress=sys.stderr)`` says when each step starts and ends, and on a
+terminal shows a tqdm bar whose elapsed time keeps moving during a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +109,7 @@ def _built_libraries(directory: Path) -> dict[Path, int]:
     return {path: path.stat().st_mtime_ns for path in directory.rglob("*.so")}
 
 
-def _visible_capability() -> tuple[int, int] | None:
+def visible_capability() -> tuple[int, int] | None:
     """Capability of the first GPU torch sees, or None without a usable GPU."""
     try:
         import torch
@@ -156,38 +161,88 @@ def run_step(target: WarmupTarget, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Warm
     return WarmupStep(target.name, target.function, status, time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def _live_bar(total: int, stream: TextIO) -> Iterator[Any]:
+    """A tqdm bar (terminal only) refreshed every second, since one build blocks for minutes."""
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=total,
+        file=stream,
+        disable=None,
+        bar_format="{desc} {n}/{total} steps [{elapsed}]",
+        leave=False,
+    )
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="warmup-progress", daemon=True)
+    ticker.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
+
+
 def run_warmup(
     capability: tuple[int, int] | None = None,
     *,
     dry_run: bool = False,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
+    progress: TextIO | None = None,
 ) -> list[WarmupStep]:
     """Build (or find cached) every JIT module in WARMUP_TARGETS; safe to run repeatedly.
 
     `capability` is the GPU's (major, minor) when the caller already knows it (from facts);
     otherwise torch is asked. A dry run lists the steps and what would stop them, and neither
-    imports the upstream packages nor needs a GPU.
+    imports the upstream packages nor needs a GPU. `progress`: a stream for a line when each
+    step starts and ends (with its time), plus a live bar when it is a terminal.
     """
     has_gpu: bool | None = None
     if not dry_run:
-        visible = _visible_capability()
+        visible = visible_capability()
         has_gpu = visible is not None
         capability = capability or visible
     steps = []
-    for target in WARMUP_TARGETS:
-        reason = _skip_reason(target, capability, has_gpu)
-        if reason is not None:
-            steps.append(WarmupStep(target.name, target.function, f"skipped: {reason}", 0.0))
-        elif dry_run:
-            steps.append(WarmupStep(target.name, target.function, "skipped: dry run", 0.0))
-        else:
-            steps.append(run_step(target, vocab_size))
+    total = len(WARMUP_TARGETS)
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(_live_bar(total, progress)) if progress else None
+        for number, target in enumerate(WARMUP_TARGETS, 1):
+            reason = _skip_reason(target, capability, has_gpu)
+            if reason is not None:
+                step = WarmupStep(target.name, target.function, f"skipped: {reason}", 0.0)
+            elif dry_run:
+                step = WarmupStep(target.name, target.function, "skipped: dry run", 0.0)
+            else:
+                if bar is not None:
+                    bar.set_description_str(f"building {target.name}")
+                    bar.write(f"[{number}/{total}] {target.name}: building...", file=progress)
+                step = run_step(target, vocab_size)
+            if bar is not None:
+                bar.write(
+                    f"[{number}/{total}] {target.name}: {step.status} ({step.seconds:.1f} s)",
+                    file=progress,
+                )
+                bar.update()
+            steps.append(step)
     return steps
 
 
+def summary(steps: list[WarmupStep]) -> str:
+    """'2 built, 1 cached' (status words, in step order)."""
+    counts = Counter(step.status.split(":")[0] for step in steps)
+    return ", ".join(f"{count} {status}" for status, count in counts.items())
+
+
 def format_steps(steps: list[WarmupStep]) -> str:
-    """A table a person reads: one line per step, then the total time."""
+    """A table a person reads: one line per step, then the total time and the counts."""
     width = max((len(step.name) for step in steps), default=0)
     lines = [f"{step.name:<{width}}  {step.seconds:7.1f}s  {step.status}" for step in steps]
-    lines.append(f"{'total':<{width}}  {sum(step.seconds for step in steps):7.1f}s")
+    total = sum(step.seconds for step in steps)
+    lines.append(f"{'total':<{width}}  {total:7.1f}s  {summary(steps)}")
     return "\n".join(lines)

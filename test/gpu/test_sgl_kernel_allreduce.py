@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_library import KERNEL_REQUIRED_ENV, kernel_required
 
 try:
     import sgl_kernel_sm120 as sk
@@ -29,7 +30,7 @@ except ImportError:  # not installed: use the sources (the library then comes fr
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "python"))
     import sgl_kernel_sm120 as sk
 
-from sgl_kernel_sm120 import _lib, env
+from sgl_kernel_sm120 import _lib
 from sgl_kernel_sm120.testing import (
     TOLERANCES,
     LocalRanks,
@@ -55,8 +56,8 @@ def _library() -> None:
     try:
         _lib.lib()
     except _lib.LibraryError as exc:
-        if env.get(env.KERNEL_REQUIRED) == "1":
-            pytest.fail(f"{env.KERNEL_REQUIRED}=1 but the library is unusable: {exc}")
+        if kernel_required():
+            pytest.fail(f"{KERNEL_REQUIRED_ENV}=1 but the library is unusable: {exc}")
         pytest.skip(f"sgl-kernel-sm120 library not built: {exc}")
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from kernel_library import expected_sm120_pcie_status, require_kernel_package
 
 KIMI = "KimiK25ForConditionalGeneration"
 
@@ -57,11 +58,32 @@ def test_plan_reads_a_topology_file(tmp_path):
     assert plan["plain_allreduce"] == "pcie_ipc" and plan["facts_source"] == f"file:{path}"
 
 
-def test_plan_bad_topology_file_is_a_clear_error(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"gpus": [{"name": "x"}]}))
-    proc = run_cli("plan", "--topology", str(path), "--tp", "2")
-    assert proc.returncode == 2 and "needs 'name' and 'capability'" in proc.stderr
+def test_version_names_the_plugin_the_pinned_sglang_and_the_kernel():
+    proc = run_cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (
+        "sglang-sm120 0.5.23.1: sglang 0.5.23 (pinned 0.5.23), "
+        f"sgl-kernel-sm120 {_installed('sgl-kernel-sm120')} (pinned 0.5.23.1)"
+    )
+
+
+def _installed(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def test_profiles_lists_each_profile_with_its_description():
+    from sglang_sm120.facts import profile_names
+
+    proc = run_cli("profiles")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == profile_names()
+    assert any("2x GeForce RTX 5090 (SM120, 32 GB) on PCIe without P2P" in x for x in lines)
 
 
 def test_doctor_json_without_gpu_exits_zero_and_says_so():
@@ -89,6 +111,7 @@ def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     stats = report["patches"].pop("graph_stats")
+    assert report["patches"].pop("sm120_pcie_backend") == expected_sm120_pcie_status()
     assert set(report["patches"].values()) == {"applied"}
     assert stats == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert report["plan"]["plain_allreduce"] == "pcie_ipc"
@@ -119,12 +142,14 @@ def test_warmup_dry_run_lists_its_steps_and_builds_nothing():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4 and all("skipped: dry run" in line for line in lines[:3])
+    assert lines[3].endswith("0.0s  3 skipped")
 
 
 def test_doctor_shows_the_tuning_table_in_use_and_its_routes(tmp_path, monkeypatch):
     from sglang_sm120.facts import load_profile
     from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
 
+    require_kernel_package()  # the routes use sm120_pcie, which needs the kernel
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
     ms = (
         Measurement("sm120_pcie", 16, 9.0, True),

@@ -53,3 +53,21 @@ def test_probe_never_raises_and_round_trips_to_json():
     facts = probe_host()
     json.dumps(facts.to_json())
     assert facts.gpus or facts.probe_error
+
+
+def test_every_embedded_profile_follows_the_schema_and_describes_itself():
+    from sglang_sm120.facts import profile_descriptions
+
+    for name, description in profile_descriptions().items():
+        assert load_profile(name).gpus and description, name
+
+
+def test_readme_documents_every_topology_key():
+    from pathlib import Path
+
+    from sglang_sm120.topology import GPU_KEYS, TOPOLOGY_KEYS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Topology files", 1)[1].split("\n## ", 1)[0]
+    for key in [*TOPOLOGY_KEYS, *GPU_KEYS]:
+        assert f"`{key}`" in section, key

@@ -17,6 +17,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from kernel_library import expected_sm120_pcie_status, require_kernel_package
 from sglang_sm120.patches import PATCHES, patch_name
 from sglang_sm120.runtime import LAUNCH_PLAN_ENV
 
@@ -157,7 +158,8 @@ def plan_line(log: str, where: str, tp: int) -> str:
 def test_pcie_x8_profile_gets_planned_backends(model_dirs, arch):
     result = run_scenario(model_dirs[arch], 2, 4, 8)
     assert {n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES} == {
-        name: "applied" for name in BEHAVIOUR_PATCHES
+        **{name: "applied" for name in BEHAVIOUR_PATCHES},
+        "sm120_pcie_backend": expected_sm120_pcie_status(),
     }
     assert result["patches"]["graph_stats"] == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert result["fusion_backend"] == {"2": "trtllm", "4": None, "8": None}
@@ -419,7 +421,7 @@ def test_kill_switch_loads_but_applies_nothing(model_dirs):
 def test_sm120_pcie_backend_is_chosen_through_upstream_code_paths(model_dirs):
     """SGLANG_SM120_FUSION_BACKEND=sm120_pcie: resolution, backend resolve and the per-call gate
     all go through upstream's code; plain all-reduces stay routed to the (our) fused backend."""
-    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    require_kernel_package()
     result = run_scenario(
         model_dirs["KimiK25ForConditionalGeneration"],
         2,

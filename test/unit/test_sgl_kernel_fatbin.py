@@ -15,19 +15,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kernel_library import KERNEL_REQUIRED_ENV, kernel_required
 
 LIBRARY_NAME = "libsgl_kernel_sm120.so"
 
 
-def _required() -> bool:
-    from sgl_kernel_sm120 import env  # pure Python: importable from the sources too
-
-    return env.get(env.KERNEL_REQUIRED) == "1"
-
-
 def _missing(reason: str) -> None:
-    if _required():
-        pytest.fail(f"SGLANG_SM120_KERNEL_REQUIRED=1: {reason}")
+    if kernel_required():
+        pytest.fail(f"{KERNEL_REQUIRED_ENV}=1: {reason}")
     pytest.skip(reason)
 
 

@@ -171,4 +171,25 @@ def test_format_steps_shows_each_step_and_the_total_time():
     assert len(lines) == 3
     assert lines[0].startswith("first") and lines[0].endswith("1.2s  built")
     assert lines[1].endswith("skipped: no CUDA GPU")
-    assert lines[2].startswith("total") and lines[2].endswith("1.2s")
+    assert lines[2].startswith("total") and lines[2].endswith("1.2s  1 built, 1 skipped")
+
+
+def test_progress_says_when_each_step_starts_and_ends(fake_jit_module: str, monkeypatch):
+    import io
+
+    target = WarmupTarget(
+        "fake",
+        fake_jit_module,
+        f"{fake_jit_module}:load",
+        f"{fake_jit_module}:CACHE",
+        arguments=lambda vocab_size: ("p",),
+    )
+    monkeypatch.setattr(warmup, "WARMUP_TARGETS", (target,))
+    monkeypatch.setattr(warmup, "visible_capability", lambda: (12, 0))
+    stream = io.StringIO()
+    [step] = run_warmup(progress=stream)
+    assert step.status == "built"
+    assert stream.getvalue().splitlines() == [
+        "[1/1] fake: building...",
+        f"[1/1] fake: built ({step.seconds:.1f} s)",
+    ]

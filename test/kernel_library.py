@@ -1,0 +1,85 @@
+"""Whether sgl-kernel-sm120 is here, for the tests that need it.
+
+Two questions. Is the compiled library loadable in this process (tests that call the kernel)?
+Would a child process (a server, the CLI) find the package (tests whose expected patch statuses
+depend on it: without it the plugin reports ``sm120_pcie_backend`` as not needed)? Where the
+answer is no, such tests skip with the reason, or fail where SGLANG_SM120_KERNEL_REQUIRED=1 (CI).
+
+    from kernel_library import require_kernel_library
+
+    def test_something_on_the_kernel():
+        require_kernel_library()
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+
+KERNEL_REQUIRED_ENV = "SGLANG_SM120_KERNEL_REQUIRED"
+NOT_INSTALLED_STATUS = "not needed (sgl-kernel-sm120 is not installed)"
+
+
+def kernel_required() -> bool:
+    """SGLANG_SM120_KERNEL_REQUIRED=1 (or a deprecated spelling, read by the kernel package's
+    own env module, which is pure Python and importable from the checkout's sources)."""
+    from sgl_kernel_sm120 import env
+
+    return env.get(env.KERNEL_REQUIRED) == "1"
+
+
+def library_missing() -> str | None:
+    """Why sgl-kernel-sm120's compiled library cannot be loaded here, or None when it can."""
+    try:
+        from sgl_kernel_sm120 import _lib
+    except ImportError as exc:
+        return f"sgl-kernel-sm120 is not importable ({exc})"
+    if not _lib.library_path().is_file():
+        return (
+            f"sgl-kernel-sm120 is not installed: no {_lib.library_path()} "
+            "(pip install ./sgl-kernel-sm120, which needs nvcc >= 12.8)"
+        )
+    return None
+
+
+@functools.cache
+def package_missing_in_children() -> str | None:
+    """Why a child process with this environment would not find sgl_kernel_sm120, or None.
+
+    Asked of a real child: this process also sees the checkout's sources (conftest.py), which
+    a server started by a test does not."""
+    probe = "import importlib.util as u, sys; sys.exit(u.find_spec('sgl_kernel_sm120') is None)"
+    found = subprocess.run([sys.executable, "-c", probe], env=os.environ, timeout=60).returncode
+    if found == 0:
+        return None
+    return "sgl-kernel-sm120 is not installed (pip install ./sgl-kernel-sm120)"
+
+
+def _require(reason: str | None) -> None:
+    if reason is None:
+        return
+    if kernel_required():
+        pytest.fail(f"{KERNEL_REQUIRED_ENV}=1: {reason}")
+    pytest.skip(reason)
+
+
+def require_kernel_library() -> None:
+    """Skip (or, in CI, fail) the calling test unless the compiled library loads here."""
+    _require(library_missing())
+
+
+def require_kernel_package() -> None:
+    """Skip (or, in CI, fail) the calling test unless child processes find the package."""
+    _require(package_missing_in_children())
+
+
+def expected_sm120_pcie_status() -> str:
+    """The plugin's sm120_pcie_backend status on an SM120 all-P2P host started from here."""
+    missing = package_missing_in_children()
+    if missing and kernel_required():
+        pytest.fail(f"{KERNEL_REQUIRED_ENV}=1: {missing}")
+    return "applied" if missing is None else NOT_INSTALLED_STATUS
