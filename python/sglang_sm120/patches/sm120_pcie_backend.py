@@ -146,7 +146,7 @@ def _build_workspace(use_attn_tp_group: bool, hidden: int, dtype: Any) -> GroupW
             max_tokens=rows,
             hidden=hidden,
             dtype=dtype or torch.bfloat16,
-            device=torch.cuda.current_device(),
+            device=coordinator.device,  # the device SGLang gave this group (cuda:<gpu>)
             timeout_ms=timeout_ms,
         )
         log_once(
