@@ -5,7 +5,10 @@ For each token count a decode/verify step can have and the model's hidden size, 
 (one all-reduce + residual add + RMSNorm point of a layer, CUDA-graph timed):
 
     nccl         NCCL all-reduce + a separate add+RMSNorm kernel
-    pcie_ipc     FlashInfer PCIe-IPC all-reduce + the same add+RMSNorm kernel
+    pcie_ipc     FlashInfer PCIe-IPC all-reduce + the same add+RMSNorm kernel, after
+                 FlashInfer's own PcieIpcAllReduceWorkspace.tune([hidden]) at these token
+                 counts (its default samples: ~33 s per token count on a 2x H200 box, where it
+                 kept its seed; the note in the table says what it changed)
     trtllm       FlashInfer allreduce_fusion (kARResidualRMSNorm, trtllm backend)
     sm120_pcie   sgl-kernel-sm120's fused kernel
 
