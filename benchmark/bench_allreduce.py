@@ -2,11 +2,18 @@
 
 For each world size and tokens in {1, 2, ..., 2048} x hidden (default 7168), bf16:
   ours plain       sgl_kernel_sm120.all_reduce
-  ours fused       sgl_kernel_sm120.fused_allreduce_add_rmsnorm (one kernel)
+  ours fused       sgl_kernel_sm120.fused_allreduce_add_rmsnorm (default settings)
+  ours fused 2-launch  the same with fused_rows_per_block=1: all-reduce, then add+RMSNorm
+                   with one block per row, whenever a block would own several rows
   ours unfused     ours plain + a separate add+RMSNorm kernel (what the fusion saves)
   nccl + norm      torch.distributed all_reduce (NCCL) + the same add+RMSNorm kernel
   fi trtllm fused  FlashInfer allreduce_fusion(kARResidualRMSNorm), trtllm backend
-  fi pcie-ipc      FlashInfer PcieIpcAllReduceWorkspace.all_reduce (plain)
+  fi pcie-ipc      FlashInfer PcieIpcAllReduceWorkspace.all_reduce (plain), after its own
+                   tune([hidden]) on this host
+  fi pcie + norm   the same + the separate add+RMSNorm kernel
+Ratios: ours AR / FI PCIe-IPC, and ours fused / the best of FI trtllm fused, FI PCIe-IPC + norm
+and NCCL + norm (the issue-9 goals: <= 1.0x and <= 0.9x at 1-16 tokens), and
+ours AR+norm / ours fused (>= 1.0x: the fusion never loses).
 Each cell is microseconds per call: every rank captures --calls identical calls in one CUDA
 graph, the graphs are replayed --replays times, and a cell is the median over replays of the
 per-call time of the rank that started last (see `sglang_sm120.tune.per_call_us`).
@@ -51,20 +58,38 @@ from sgl_kernel_sm120.testing import LocalRanks
 if importlib.util.find_spec("sglang_sm120") is None:  # plugin not installed: use the sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from sglang_sm120.tune import TOKENS as TUNE_TOKENS
-from sglang_sm120.tune import flashinfer_trtllm_fused, make_add_rmsnorm, time_local
+from sglang_sm120.tune import (
+    flashinfer_pcie_ipc,
+    flashinfer_trtllm_fused,
+    make_add_rmsnorm,
+    time_local,
+)
 from sglang_sm120.tune import time_graph as time_graph_in_step
 
 TOKENS = list(TUNE_TOKENS)
 EPS = 1e-6
-COLUMNS = ["ours_plain", "ours_fused", "ours_unfused", "nccl_norm", "fi_trtllm_fused", "fi_pcie"]
+COLUMNS = [
+    "ours_plain",
+    "ours_fused",
+    "ours_fused_split",
+    "ours_unfused",
+    "nccl_norm",
+    "fi_trtllm_fused",
+    "fi_pcie",
+    "fi_pcie_norm",
+]
 HEADERS = {
     "ours_plain": "ours AR",
     "ours_fused": "ours fused",
+    "ours_fused_split": "ours fused 2-launch",
     "ours_unfused": "ours AR+norm",
     "nccl_norm": "NCCL+norm",
     "fi_trtllm_fused": "FI trtllm fused",
     "fi_pcie": "FI pcie AR",
+    "fi_pcie_norm": "FI pcie AR+norm",
 }
+# What "ours fused" is compared with: every other way to get all-reduce + residual + RMSNorm.
+FUSED_RIVALS = ("fi_trtllm_fused", "fi_pcie_norm", "nccl_norm")
 
 
 # --------------------------------------------------------------------- ranks on one GPU
@@ -103,10 +128,12 @@ def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> d
                 "blocks": blocks,
                 "ours_plain": time_local(ranks, plain, args.calls, args.replays),
                 "ours_fused": time_local(ranks, fused, args.calls, args.replays),
+                "ours_fused_split": None,
                 "ours_unfused": time_local(ranks, unfused, args.calls, args.replays),
                 "nccl_norm": None,
                 "fi_trtllm_fused": None,
                 "fi_pcie": None,
+                "fi_pcie_norm": None,
             }
             rows.append(row)
             print(f"  world {world_size} tokens {tokens:5d}: {_fmt_row(row)}", flush=True)
@@ -117,9 +144,11 @@ def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> d
         "mode": "one GPU, ranks as streams of one process",
         "add_rmsnorm": norm_desc,
         "skipped": {
+            "ours_fused_split": "not measured with ranks sharing one GPU",
             "nccl_norm": f"n/a (needs {world_size} GPUs: NCCL refuses two ranks on one GPU)",
             "fi_trtllm_fused": f"n/a (needs {world_size} GPUs)",
             "fi_pcie": f"n/a (needs {world_size} GPUs)",
+            "fi_pcie_norm": f"n/a (needs {world_size} GPUs)",
         },
         "rows": rows,
     }
@@ -140,8 +169,17 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
     add_rmsnorm, norm_desc = make_add_rmsnorm(hidden, torch.bfloat16)
     max_tokens = max(tokens_list)
     ws = sk.CommWorkspace.create(gloo, max_tokens, hidden)
+    ws_split = sk.CommWorkspace.create(gloo, max_tokens, hidden, fused_rows_per_block=1)
     skipped: dict[str, str] = {}
-    fi_fused, fi_pcie = _flashinfer_baselines(rank, world_size, max_tokens, hidden, gloo, skipped)
+    notes: list[str] = []
+    fi_fused = fi_pcie = None
+    if args.skip_baselines:
+        for name in ("nccl_norm", "fi_trtllm_fused", "fi_pcie", "fi_pcie_norm"):
+            skipped[name] = "not measured (--skip-baselines)"
+    else:
+        fi_fused, fi_pcie = _flashinfer_baselines(
+            rank, args, max_tokens, hidden, gloo, skipped, notes
+        )
     stream = torch.cuda.Stream()
 
     def time_graph(body: Callable[[], None]) -> float:
@@ -174,10 +212,15 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
                         x, r, w, EPS, ws
                     )
                 ),
+                "ours_fused_split": time_graph(
+                    lambda x=x, r=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                        x, r, w, EPS, ws_split
+                    )
+                ),
                 "ours_unfused": time_graph(
                     lambda x=x, r=residual, w=weight: add_rmsnorm(sk.all_reduce(x, ws), r, w)
                 ),
-                "nccl_norm": time_graph(nccl_norm),
+                "nccl_norm": None if args.skip_baselines else time_graph(nccl_norm),
                 "fi_trtllm_fused": _maybe(
                     fi_fused and (lambda x=x, r=residual, w=weight: fi_fused(x, r, w)),
                     time_graph,
@@ -187,12 +230,19 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
                 "fi_pcie": _maybe(
                     fi_pcie and (lambda x=x: fi_pcie(x)), time_graph, "fi_pcie", skipped
                 ),
+                "fi_pcie_norm": _maybe(
+                    fi_pcie and (lambda x=x, r=residual, w=weight: add_rmsnorm(fi_pcie(x), r, w)),
+                    time_graph,
+                    "fi_pcie_norm",
+                    skipped,
+                ),
             }
             rows.append(row)
             if rank == 0:
                 print(f"  world {world_size} tokens {tokens:5d}: {_fmt_row(row)}", flush=True)
     finally:
         ws.close()
+        ws_split.close()
     if rank == 0:
         Path(result_file).write_text(
             json.dumps(
@@ -201,6 +251,7 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
                     "mode": "one process per GPU",
                     "add_rmsnorm": norm_desc,
                     "skipped": skipped,
+                    "notes": notes,
                     "rows": rows,
                 }
             )
@@ -218,26 +269,30 @@ def _maybe(body, time_graph, name: str, skipped: dict[str, str]) -> float | None
         return None
 
 
-def _flashinfer_baselines(rank, world_size, max_tokens, hidden, gloo, skipped):
-    """FlashInfer's trtllm fused kernel and PCIe-IPC all-reduce, where flashinfer imports."""
+def _flashinfer_baselines(rank, args, max_tokens, hidden, gloo, skipped, notes):
+    """FlashInfer's trtllm fused kernel and PCIe-IPC all-reduce (tuned by its own tuner first),
+    where flashinfer imports."""
     try:
-        import flashinfer.comm as fic
+        import flashinfer.comm  # noqa: F401
     except Exception as exc:
         reason = f"n/a (flashinfer not importable: {type(exc).__name__}: {exc})"[:300]
-        skipped["fi_trtllm_fused"] = skipped["fi_pcie"] = reason
+        skipped["fi_trtllm_fused"] = skipped["fi_pcie"] = skipped["fi_pcie_norm"] = reason
         return None, None
     fused = pcie = None
     try:
-        fused = flashinfer_trtllm_fused(rank, world_size, max_tokens, hidden, torch.bfloat16)
+        fused = flashinfer_trtllm_fused(rank, gloo.size(), max_tokens, hidden, torch.bfloat16)
     except Exception as exc:
         skipped["fi_trtllm_fused"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     try:
-        pws = fic.PcieIpcAllReduceWorkspace(group=gloo, max_numel=max_tokens * hidden)
+        pws, note = flashinfer_pcie_ipc(
+            gloo, args.tokens, hidden, torch.bfloat16, repeat=args.fi_tune_repeat
+        )
+        notes.append(note)
 
         def pcie(x):
             return pws.all_reduce(x)
     except Exception as exc:
-        skipped["fi_pcie"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        skipped["fi_pcie"] = skipped["fi_pcie_norm"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     return fused, pcie
 
 
@@ -272,24 +327,54 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
+def best_rival(row: dict) -> tuple[str | None, float | None]:
+    """The fastest measured way other than ours to get all-reduce + residual + RMSNorm."""
+    measured = [(row[c], c) for c in FUSED_RIVALS if row.get(c) is not None]
+    if not measured:
+        return None, None
+    us, column = min(measured)
+    return column, us
+
+
+def add_ratios(row: dict) -> None:
+    """The issue-9 ratios, kept in the JSON row as numbers (None where a column is missing)."""
+    column, us = best_rival(row)
+
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else round(a / b, 3)
+
+    row["best_rival"] = column
+    row["ratio_ar_vs_fi_pcie"] = ratio(row["ours_plain"], row.get("fi_pcie"))
+    row["ratio_fused_vs_best_rival"] = ratio(row["ours_fused"], us)
+    row["ratio_fused_vs_fi_trtllm"] = ratio(row["ours_fused"], row.get("fi_trtllm_fused"))
+    row["ratio_fused_vs_ours_unfused"] = ratio(row["ours_fused"], row["ours_unfused"])
+
+
 def print_table(result: dict) -> None:
     n = result["world_size"]
     print(f"\n### world size {n} ({result['mode']}), microseconds per call, bf16")
     print(f"separate norm: {result['add_rmsnorm']}")
     header = ["tokens", "KiB", "variant", *[HEADERS[c] for c in COLUMNS]]
-    header += ["unfused/fused", "NCCL+norm/fused"]
+    header += ["AR / FI pcie", "fused / best rival", "fused / FI trtllm", "fused / ours AR+norm"]
     print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print("|" + "---:|" * len(header))
     for row in result["rows"]:
+        add_ratios(row)
         cells = [str(row["tokens"]), f"{row['bytes'] / 1024:.0f}", row["variant"]]
-        cells += [_fmt(row[c]) for c in COLUMNS]
+        cells += [_fmt(row.get(c)) for c in COLUMNS]
+        rival = HEADERS.get(row["best_rival"], "")
         cells += [
-            _ratio(row["ours_unfused"], row["ours_fused"]),
-            _ratio(row["nccl_norm"], row["ours_fused"]),
+            _ratio(row["ours_plain"], row.get("fi_pcie")),
+            _ratio(row["ours_fused"], row.get(row["best_rival"] or ""))
+            + (f" ({rival})" if rival else ""),
+            _ratio(row["ours_fused"], row.get("fi_trtllm_fused")),
+            _ratio(row["ours_fused"], row["ours_unfused"]),
         ]
         print("| " + " | ".join(cells) + " |")
     for name, reason in result["skipped"].items():
-        print(f"- {HEADERS[name]}: {reason}")
+        print(f"- {HEADERS.get(name, name)}: {reason}")
+    for note in result.get("notes", []):
+        print(f"- {note}")
 
 
 def plot(results: list[dict], path: Path, machine: str) -> None:
@@ -343,6 +428,16 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="calls captured per graph")
     parser.add_argument("--replays", type=int, default=10, help="timed replays per cell")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmark/results"))
+    parser.add_argument(
+        "--skip-baselines", action="store_true", help="only our kernels (no NCCL, FlashInfer)"
+    )
+    parser.add_argument(
+        "--fi-tune-repeat",
+        type=int,
+        default=None,
+        help="timed iterations per candidate in FlashInfer's PCIe-IPC tune (default: its own, "
+        "minutes per token count on some hosts)",
+    )
     parser.add_argument(
         "--mode",
         choices=["auto", "local", "multiprocess"],

@@ -3,14 +3,25 @@
 // Protocol (see README.md, "How the kernel works"):
 // - Ranks only ever WRITE to peers (push) and READ their own memory: remote reads (pull) stall
 //   badly or hang over PCIe P2P.
-// - Each rank keeps a call counter (epoch) in its own device memory, advanced by the kernel
-//   itself, so CUDA graph replays need no host work. A peer announces "my data for call e is in
-//   your buffer" by storing e into a flag in the receiver's memory (release), the receiver polls
-//   its local flag (acquire).
-// - Buffer reuse: a rank can only be one call ahead of its slowest peer (finishing call e needs
-//   every peer's data of call e). One-shot data therefore alternates between two parities: a
-//   peer writes call e+1 into the other half while we may still read call e. The two-shot
-//   phases are safe without parity: their second round acts as the end barrier of the first.
+// - One-shot (small messages) is Lamport-style: the data is its own "arrived" signal. Every
+//   16-bit lane of a receive buffer starts as 0xFFFF (a NaN no sender ever stores: 0xFFFF
+//   inputs are sent as 0x7FFF); a rank pushes its input into every peer's buffer and polls its
+//   own buffer until no lane holds 0xFFFF. One round, no flags, no fences, no barrier between
+//   blocks: each block polls exactly the vectors (or rows) it reduces.
+// - Three one-shot buffers rotate. In call k a rank reads buffer k%3 and clears (back to
+//   0xFFFF) buffer (k-1)%3, which it read in call k-1. A peer writes that buffer again only in
+//   call k+2, which it can only enter after finishing call k+1, which needs this rank's data of
+//   call k+1, which this rank pushes after its call k (the clear included) has finished. And
+//   no peer can overwrite buffer k%3 before this rank has read it: that write belongs to call
+//   k+3, which needs this rank's data of call k+2. So there is no end barrier, and a slow rank
+//   is never overwritten.
+// - Two-shot (large messages): reduce-scatter then all-gather, with flags carrying the call
+//   number (release store to the peer, acquire poll locally). Its second round is the end
+//   barrier of the first; push slots alternate between two parities.
+// - Call state (call number, one-shot buffer index and how much of each buffer is dirty) lives
+//   in the rank's own device memory, one copy per block index: block b reads copy b at start
+//   and at the end writes every copy j = b mod grid. So CUDA graph replays need no host work,
+//   and no block reads a word another block of the same launch writes.
 // - Every wait is bounded by %globaltimer; on expiry the kernel records the error in device
 //   memory and in a host-mapped mirror and returns (no trap: that would kill the context). A
 //   workspace with a recorded error turns every later launch into a no-op.
@@ -35,11 +46,18 @@ constexpr int kKindGather = 1;
 
 static_assert(SK_MAX_RANKS * SK_MAX_BLOCKS <= SK_THREADS, "one polling thread per flag");
 
+// Call state words (one copy per block index, see SK_STATE_*).
+constexpr int kStateEpoch = 0;
+constexpr int kStateOneshotCalls = 1;
+constexpr int kStateDirty = 2;  // 3 words: vectors per peer slot written into each buffer
+
 struct Shared {
   int abort;
-  uint32_t epoch;
+  uint32_t state[SK_STATE_WORDS];
   float red[kWarps];
 };
+
+constexpr uint32_t kEmptyWord = 0xFFFFFFFFu;  // two "not arrived" lanes
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
@@ -59,6 +77,46 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
 
 __device__ __forceinline__ uint32_t ld_volatile(const uint32_t* p) {
   return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+__device__ __forceinline__ uint4 ld_volatile_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool word_has_empty_lane(uint32_t w) {
+  return (w & 0xFFFFu) == 0xFFFFu || w >= 0xFFFF0000u;
+}
+
+__device__ __forceinline__ bool has_empty_lane(const uint4& u) {
+  return word_has_empty_lane(u.x) || word_has_empty_lane(u.y) || word_has_empty_lane(u.z) ||
+         word_has_empty_lane(u.w);
+}
+
+// A 0xFFFF lane (a NaN) would read as "not arrived": send it as 0x7FFF, also a NaN.
+__device__ __forceinline__ uint32_t sendable_word(uint32_t w) {
+  if ((w & 0xFFFFu) == 0xFFFFu) w &= 0xFFFF7FFFu;
+  if (w >= 0xFFFF0000u) w &= 0x7FFFFFFFu;
+  return w;
+}
+
+__device__ __forceinline__ uint4 sendable(uint4 u) {
+  return make_uint4(sendable_word(u.x), sendable_word(u.y), sendable_word(u.z),
+                    sendable_word(u.w));
+}
+
+// Debug timeline: clock64 of block 0, thread 0 at phase `index` (0 start ... 5 end); phases 0
+// and 5 also record %globaltimer (slots 6 and 7) to convert cycles to nanoseconds.
+__device__ __forceinline__ void stamp(const SkLaunchParams& p, int index) {
+  if (p.timeline != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    p.timeline[index] = clock64();
+    if (index == 0) p.timeline[6] = globaltimer_ns();
+    if (index == 5) p.timeline[7] = globaltimer_ns();
+  }
 }
 
 // Epochs wrap around at 2^32; compare by signed distance.
@@ -138,7 +196,10 @@ __device__ __forceinline__ void sum_ranks(float (&acc)[8], const uint4* slots, i
   }
 }
 
-__device__ float block_sum(float x, Shared& sh) {
+// Sum of x over the block. Also returns sh.abort as it stood between the two barriers, so every
+// thread of the block takes the same decision (a flag set by a poller of this row is seen by
+// all; one set by a poller of the next row by none).
+__device__ float block_sum(float x, Shared& sh, bool& aborted) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   if (threadIdx.x % 32 == 0) sh.red[threadIdx.x / 32] = x;
@@ -146,6 +207,7 @@ __device__ float block_sum(float x, Shared& sh) {
   float total = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) total += sh.red[w];
+  aborted = *reinterpret_cast<volatile int*>(&sh.abort) != 0;
   __syncthreads();  // sh.red is reused by the next row
   return total;
 }
@@ -164,6 +226,18 @@ __device__ void report_timeout(const SkLaunchParams& p, int src, int kind, uint3
   __threadfence_system();
   host[SK_CTRL_ERR_CODE] = 1u;
   __threadfence_system();
+}
+
+// Test hook: stalls the debug_delay_rank's block (all threads) for debug_delay_ns.
+__device__ void debug_delay(const SkLaunchParams& p) {
+  if (p.debug_delay_ns == 0 || p.debug_delay_rank != p.rank) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint64_t start = globaltimer_ns();
+    while (globaltimer_ns() - start < p.debug_delay_ns) {
+    }
+  }
+  __syncthreads();
 }
 
 // Tells ranks rank+1, rank+2, ... (and, with include_self, this rank's other blocks) that this
@@ -205,22 +279,16 @@ __device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int pari
   }
   __syncthreads();
   if (sh.abort) return false;
-  if (p.debug_delay_ns != 0 && p.debug_delay_rank == p.rank) {
-    if (t == 0) {
-      const uint64_t start = globaltimer_ns();
-      while (globaltimer_ns() - start < p.debug_delay_ns) {
-      }
-    }
-    __syncthreads();
-  }
+  debug_delay(p);
   return true;
 }
 
-// residual_out = sum + residual_in; output = RMSNorm(residual_out) * weight, one row at a time.
-// `sum_of(v, acc)` yields the all-reduced fp32 values of vector v. The variance is taken on the
-// fp32 value before rounding, as SGLang's RMSNorm does.
+// residual_out = sum + residual_in; output = RMSNorm(residual_out) * weight, one row at a time,
+// rows blockIdx.x, blockIdx.x + gridDim.x, ... `sum_of(v, acc)` yields the all-reduced fp32
+// values of vector v (false: a peer timed out). The variance is taken on the fp32 value before
+// rounding, as SGLang's RMSNorm does. Returns false when the block gave up.
 template <typename T, typename SumOf>
-__device__ void add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
+__device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
   const int row_vecs = p.hidden / kVecElems;
   const uint4* residual_in = static_cast<const uint4*>(p.residual_in);
   uint4* residual_out = static_cast<uint4*>(p.residual_out);
@@ -242,7 +310,9 @@ __device__ void add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
         for (int i = 0; i < 8; ++i) sum_sq += val[k][i] * val[k][i];
       }
     }
-    sum_sq = block_sum(sum_sq, sh);
+    bool aborted;
+    sum_sq = block_sum(sum_sq, sh, aborted);
+    if (aborted) return false;
     const float scale = rsqrtf(sum_sq / static_cast<float>(p.hidden) + p.eps);
 #pragma unroll
     for (int k = 0; k < kMaxVecPerThread; ++k) {
@@ -257,43 +327,125 @@ __device__ void add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
       }
     }
   }
+  return true;
 }
 
-// One-shot: push the whole input to every peer, then each rank reduces locally.
+// Sum over ranks of one-shot vector v: this rank's own input plus what every peer pushed into
+// `slots` (this rank's receive buffer of this call), in rank order so all ranks get the same
+// bits. Polls until no lane of any peer's vector is empty; false when the wait timed out (or
+// another thread of the block gave up), after recording who was missing.
 template <typename T>
-__device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch, int parity) {
+__device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh,
+                            const uint4* slots, int64_t slot_vecs, const uint4* input, int64_t v,
+                            uint32_t epoch) {
+  const int world = p.world_size, rank = p.rank;
+  uint4 u[SK_MAX_RANKS];
+#pragma unroll
+  for (int j = 0; j < SK_MAX_RANKS; ++j) {
+    if (j < world) {
+      u[j] = (j == rank) ? sendable(input[v]) : ld_volatile_v4(slots + j * slot_vecs + v);
+    }
+  }
+  uint64_t start = 0;
+  bool ok = true;
+  for (;;) {
+    int missing = -1;
+#pragma unroll
+    for (int j = SK_MAX_RANKS - 1; j >= 0; --j) {
+      if (j < world && j != rank && has_empty_lane(u[j])) missing = j;
+    }
+    if (missing < 0) break;
+    if (start == 0) {
+      start = globaltimer_ns();
+    } else if (globaltimer_ns() - start > p.timeout_ns) {
+      sh.abort = 1;
+      report_timeout(p, missing, kKindPush, epoch);
+      ok = false;
+      break;
+    }
+    if (*reinterpret_cast<volatile int*>(&sh.abort)) {
+      ok = false;
+      break;
+    }
+#pragma unroll
+    for (int j = 0; j < SK_MAX_RANKS; ++j) {
+      if (j < world && j != rank && has_empty_lane(u[j])) {
+        u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
+      }
+    }
+  }
+  zero(acc);
+#pragma unroll
+  for (int j = 0; j < SK_MAX_RANKS; ++j) {
+    if (j < world) Vec8<T>::add_to(acc, u[j]);
+  }
+  return ok;
+}
+
+// One-shot, Lamport-style (see the top of this file). `state` is this call's state; the
+// one-shot counter and dirty sizes in it are advanced here for the copies the kernel writes.
+template <typename T>
+__device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS]) {
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
+  const uint32_t epoch = state[kStateEpoch];
+  const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
+  const uint32_t calls = state[kStateOneshotCalls];
+  const int current = single ? 0 : static_cast<int>(calls % SK_LAMPORT_BUFFERS);
+  const int previous = (current + SK_LAMPORT_BUFFERS - 1) % SK_LAMPORT_BUFFERS;
   const int64_t nvec = p.numel / kVecElems;
+  const int64_t slot_vecs = p.lamport_slot_bytes / 16;
+  const int64_t buffer_vecs = static_cast<int64_t>(world) * slot_vecs;
+  const uint4* input = static_cast<const uint4*>(p.input);
+
+  // Push this block's share (by bytes, like the plain reduction below) into every peer's
+  // buffer, peer rank+1 first, so each rank starts on a different peer.
   const int64_t per_block = (nvec + nblocks - 1) / nblocks;
   const int64_t v0 = min(nvec, block * per_block);
   const int64_t v1 = min(nvec, v0 + per_block);
-  const int64_t slot_vecs = p.slot_bytes / 16;
-  const uint4* input = static_cast<const uint4*>(p.input);
-
-  // Stage s: every rank writes to rank + s, so each rank has one inbound and one outbound peer.
   for (int s = 1; s < world; ++s) {
-    const int dst = (rank + s) % world;
-    uint4* slot = static_cast<uint4*>(p.push[dst]) + (static_cast<int64_t>(parity) * world + rank) * slot_vecs;
-    for (int64_t v = v0 + t; v < v1; v += SK_THREADS) slot[v] = input[v];
+    uint4* slot = static_cast<uint4*>(p.lamport[(rank + s) % world]) + current * buffer_vecs +
+                  rank * slot_vecs;
+    for (int64_t v = v0 + t; v < v1; v += SK_THREADS) slot[v] = sendable(input[v]);
   }
-  signal(p, kKindPush, parity, epoch, block, false);
+  stamp(p, 2);
 
-  const uint4* slots = static_cast<const uint4*>(p.push[rank]) + static_cast<int64_t>(parity) * world * slot_vecs;
+  // Clear what peers wrote into the previous buffer (read in the previous call) while their
+  // data of this call is on its way. The negative control keeps one buffer and never clears.
+  uint4* own = static_cast<uint4*>(p.lamport[rank]);
+  if (!single) {
+    const int64_t dirty = state[kStateDirty + previous];
+    const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
+    for (int src = 0; src < world; ++src) {
+      if (src == rank) continue;  // nobody writes this rank's own slot
+      uint4* prev = own + previous * buffer_vecs + src * slot_vecs;
+      for (int64_t i = static_cast<int64_t>(block) * SK_THREADS + t; i < dirty;
+           i += static_cast<int64_t>(nblocks) * SK_THREADS) {
+        prev[i] = empty;
+      }
+    }
+    state[kStateDirty + previous] = 0;
+    state[kStateDirty + current] = static_cast<uint32_t>(nvec);
+    state[kStateOneshotCalls] = calls + 1;
+  }
+  stamp(p, 3);
+  debug_delay(p);
+
+  const uint4* slots = own + current * buffer_vecs;
   if (!p.fused) {
-    if (!wait_for(p, sh, kKindPush, parity, epoch, block, 1, false)) return;
     uint4* output = static_cast<uint4*>(p.output);
     for (int64_t v = v0 + t; v < v1; v += SK_THREADS) {
       float acc[8];
-      sum_ranks<T>(acc, slots, slot_vecs, v, input, v, world, rank);
+      if (!sum_arrived<T>(acc, p, sh, slots, slot_vecs, input, v, epoch)) break;
       output[v] = Vec8<T>::pack(acc);
     }
+    stamp(p, 4);
   } else {
-    // Rows do not follow the push partition: wait for every block of every peer.
-    if (!wait_for(p, sh, kKindPush, parity, epoch, 0, nblocks, false)) return;
+    // Rows do not follow the push partition, and need not: each block polls the rows it owns.
     add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
-      sum_ranks<T>(acc, slots, slot_vecs, v, input, v, world, rank);
+      return sum_arrived<T>(acc, p, sh, slots, slot_vecs, input, v, epoch);
     });
+    stamp(p, 4);
   }
 }
 
@@ -323,7 +475,9 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
     for (int64_t v = lo + t; v < hi; v += SK_THREADS) slot[v - start] = input[v];
   }
   signal(p, kKindPush, parity, epoch, block, false);
+  stamp(p, 2);
   if (!wait_for(p, sh, kKindPush, parity, epoch, block, 1, false)) return;
+  stamp(p, 3);
 
   // Reduce this rank's piece and push it to every rank's gather buffer.
   int64_t lo, hi;
@@ -342,6 +496,7 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
     for (int64_t v = lo + t; v < hi; v += SK_THREADS) gather[v] = reduced[v];  // own stores
   }
   signal(p, kKindGather, parity, epoch, block, p.fused != 0);
+  stamp(p, 4);
 
   if (!p.fused) {
     if (!wait_for(p, sh, kKindGather, parity, epoch, block, 1, false)) return;
@@ -357,6 +512,7 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
     add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
       zero(acc);
       Vec8<T>::add_to(acc, __ldcg(gather_local + v));
+      return true;
     });
   }
 }
@@ -364,30 +520,51 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
 template <typename T, int kVariant>
 __global__ void __launch_bounds__(SK_THREADS) all_reduce_kernel(const SkLaunchParams p) {
   __shared__ Shared sh;
+  if (p.fused == SK_FUSED_NORM_ONLY) {  // no peers, no call state: any grid size
+    if (threadIdx.x == 0) sh.abort = 0;
+    __syncthreads();
+    const uint4* reduced = static_cast<const uint4*>(p.input);
+    add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
+      zero(acc);
+      Vec8<T>::add_to(acc, reduced[v]);
+      return true;
+    });
+    return;
+  }
   uint32_t* ctl = p.control;
+  uint32_t* states = ctl + SK_STATE_OFFSET_WORDS;
+  stamp(p, 0);
   if (threadIdx.x == 0) {
     sh.abort = ld_volatile(ctl + SK_CTRL_ERR_CODE) != 0u;  // a failed workspace stays failed
-    sh.epoch = ld_volatile(ctl + SK_CTRL_EPOCH) + 1u;
+  }
+  if (threadIdx.x < SK_STATE_WORDS) {
+    sh.state[threadIdx.x] = states[blockIdx.x * SK_STATE_WORDS + threadIdx.x];
   }
   __syncthreads();
-  const uint32_t epoch = sh.epoch;
+  uint32_t state[SK_STATE_WORDS];
+#pragma unroll
+  for (int i = 0; i < SK_STATE_WORDS; ++i) state[i] = sh.state[i];
+  state[kStateEpoch] += 1u;
+  stamp(p, 1);
   if (!sh.abort) {
-    const int parity = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) ? 0 : static_cast<int>(epoch & 1u);
     if (kVariant == SK_VARIANT_ONESHOT) {
-      run_oneshot<T>(p, sh, epoch, parity);
+      run_oneshot<T>(p, sh, state);
     } else {
-      run_twoshot<T>(p, sh, epoch, parity);
+      const int parity = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER)
+                             ? 0
+                             : static_cast<int>(state[kStateEpoch] & 1u);
+      run_twoshot<T>(p, sh, state[kStateEpoch], parity);
     }
   }
-  // The last block to finish advances the epoch; the next launch on this stream reads it.
-  __syncthreads();
+  // Next call's state, into every copy this block index stands for (j = blockIdx.x mod grid):
+  // copies no other block of this launch reads.
   if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(ctl + SK_CTRL_DONE, 1u) == gridDim.x - 1) {
-      atomicExch(ctl + SK_CTRL_DONE, 0u);
-      atomicExch(ctl + SK_CTRL_EPOCH, epoch);
+    for (int j = blockIdx.x; j < SK_MAX_BLOCKS; j += gridDim.x) {
+#pragma unroll
+      for (int i = 0; i < SK_STATE_WORDS; ++i) states[j * SK_STATE_WORDS + i] = state[i];
     }
   }
+  stamp(p, 5);
 }
 
 using KernelFn = void (*)(const SkLaunchParams);
@@ -486,6 +663,14 @@ SK_EXPORT int sk_alloc_zeroed(int device, size_t bytes, void** ptr) {
   });
 }
 
+SK_EXPORT int sk_fill(int device, void* ptr, int value, size_t bytes) {
+  return on_device(device, [&]() -> int {
+    cudaError_t err = cudaMemset(ptr, value, bytes);
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    return err;
+  });
+}
+
 SK_EXPORT int sk_free(int device, void* ptr) {
   return on_device(device, [&]() -> int { return cudaFree(ptr); });
 }
@@ -541,10 +726,12 @@ SK_EXPORT int sk_preload(int device) {
 SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) {
   const SkLaunchParams& p = *params;
   const KernelFn fn = kernel_for(p.dtype, p.variant);
+  const int max_blocks = p.fused == SK_FUSED_NORM_ONLY ? SK_MAX_NORM_BLOCKS : SK_MAX_BLOCKS;
   if (fn == nullptr || p.world_size < 1 || p.world_size > SK_MAX_RANKS || p.rank < 0 ||
-      p.rank >= p.world_size || p.blocks < 1 || p.blocks > SK_MAX_BLOCKS ||
-      p.numel % kVecElems != 0 || (p.fused && (p.hidden % kVecElems != 0 || p.hidden > kMaxHidden ||
-                                               static_cast<int64_t>(p.rows) * p.hidden != p.numel))) {
+      p.rank >= p.world_size || p.blocks < 1 || p.blocks > max_blocks ||
+      p.fused < SK_FUSED_NONE || p.fused > SK_FUSED_NORM_ONLY || p.numel % kVecElems != 0 ||
+      (p.fused && (p.hidden % kVecElems != 0 || p.hidden > kMaxHidden ||
+                   static_cast<int64_t>(p.rows) * p.hidden != p.numel))) {
     return cudaErrorInvalidValue;  // the Python layer validates first and explains why
   }
   return on_device(device, [&]() -> int {

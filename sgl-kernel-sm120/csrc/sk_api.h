@@ -12,31 +12,46 @@
 extern "C" {
 #endif
 
-#define SK_ABI_VERSION 1
+#define SK_ABI_VERSION 2
 #define SK_MAX_RANKS 8
 #define SK_MAX_BLOCKS 64
 #define SK_THREADS 512
 
-// Flags: uint32 [kind][parity][src rank][block], kind 0 = push (one-shot data / reduce-scatter),
+// Flags (two-shot only): uint32 [kind][parity][src rank][block], kind 0 = reduce-scatter push,
 // kind 1 = gather (all-gather of the reduced chunks).
 #define SK_FLAG_KINDS 2
 #define SK_FLAG_WORDS (SK_FLAG_KINDS * 2 * SK_MAX_RANKS * SK_MAX_BLOCKS)
-// Control words (rank-local): epoch, finished-block counter, error record.
-#define SK_CTRL_EPOCH 0
-#define SK_CTRL_DONE 1
+// Control words (rank-local): error record, then one copy of the call state per block.
 #define SK_CTRL_ERR_CODE 2  // 0 = fine, 1 = timed out waiting for a peer
 #define SK_CTRL_ERR_SRC 3   // the rank that did not arrive
-#define SK_CTRL_ERR_KIND 4  // flag kind it was waited on (0 push, 1 gather)
+#define SK_CTRL_ERR_KIND 4  // what it was waited for (0 push / one-shot data, 1 gather)
 #define SK_CTRL_ERR_EPOCH 5 // the call (epoch) that timed out
 #define SK_CTRL_WORDS 8
+// Call state, one copy per block index so that no block ever reads a word another block of the
+// same launch writes (no atomics, no end barrier): [epoch, one-shot calls, dirty vectors of
+// the three one-shot buffers, pad].
+#define SK_STATE_OFFSET_WORDS 64
+#define SK_STATE_WORDS 8
+#define SK_CONTROL_WORDS (SK_STATE_OFFSET_WORDS + SK_MAX_BLOCKS * SK_STATE_WORDS)
+
+// One-shot buffers hold 16-bit lanes; this value means "not arrived yet" (a NaN; a 0xFFFF lane
+// in an input is sent as 0x7FFF, also a NaN).
+#define SK_LAMPORT_BUFFERS 3
 
 #define SK_DTYPE_BF16 0
 #define SK_DTYPE_FP16 1
 #define SK_VARIANT_ONESHOT 0
 #define SK_VARIANT_TWOSHOT 1
 
+#define SK_FUSED_NONE 0       // plain all-reduce
+#define SK_FUSED_RMSNORM 1    // all-reduce + residual add + RMSNorm in one launch
+#define SK_FUSED_NORM_ONLY 2  // residual add + RMSNorm of `input` (already reduced), no
+                              // communication: the second launch of a split fused call, one
+                              // block per row (grid up to SK_MAX_NORM_BLOCKS), any variant
+#define SK_MAX_NORM_BLOCKS 65535
+
 // Debug switches, used only by tests.
-#define SK_DEBUG_SINGLE_BUFFER 1  // UNSAFE: drop the parity double buffer (negative control)
+#define SK_DEBUG_SINGLE_BUFFER 1  // UNSAFE: one buffer instead of three / two (negative control)
 
 typedef struct {
   // Tensors of this rank (device pointers).
@@ -46,13 +61,16 @@ typedef struct {
   void* residual_out;        // fused only
   const void* weight;        // fused only, [hidden]
   // Workspace of every rank, indexed by rank (entries >= world_size unused).
-  void* push[SK_MAX_RANKS];        // push region base: [2 parities][world][slot_bytes]
+  void* lamport[SK_MAX_RANKS];     // one-shot region: [3 buffers][world][lamport_slot_bytes]
+  void* push[SK_MAX_RANKS];        // two-shot region base: [2 parities][world][slot_bytes]
   void* gather[SK_MAX_RANKS];      // gather region base: [max_bytes]
   uint32_t* flags[SK_MAX_RANKS];   // flag words, SK_FLAG_WORDS each
-  uint32_t* control;         // this rank's SK_CTRL_WORDS control words (device memory)
+  uint32_t* control;         // this rank's SK_CONTROL_WORDS control words (device memory)
   uint32_t* error_host;      // device alias of host-mapped SK_CTRL_WORDS mirror (error record)
+  unsigned long long* timeline;  // debug: clock64 stamps of block 0 per phase, or null
   int64_t numel;             // elements in input (multiple of 8)
-  int64_t slot_bytes;        // capacity of one push slot
+  int64_t slot_bytes;        // capacity of one two-shot push slot
+  int64_t lamport_slot_bytes;  // capacity of one one-shot slot
   uint64_t timeout_ns;       // bound on every wait for a peer
   uint64_t debug_delay_ns;   // delay injected after each wait on debug_delay_rank
   int32_t rows;              // fused: tokens
@@ -61,7 +79,7 @@ typedef struct {
   int32_t rank;
   int32_t world_size;
   int32_t variant;           // SK_VARIANT_*
-  int32_t fused;             // 0 plain all-reduce, 1 all-reduce + residual add + RMSNorm
+  int32_t fused;             // SK_FUSED_*
   int32_t blocks;            // grid size, <= SK_MAX_BLOCKS, identical on every rank
   int32_t dtype;             // SK_DTYPE_*
   int32_t debug_flags;       // SK_DEBUG_*
@@ -82,6 +100,8 @@ int sk_can_access_peer(int device, int peer_device, int* can_access);
 int sk_max_resident_blocks(int device, int* blocks);
 
 int sk_alloc_zeroed(int device, size_t bytes, void** ptr);
+// Sets `bytes` bytes at ptr to `value` and waits (one-shot buffers start as all 0xFF).
+int sk_fill(int device, void* ptr, int value, size_t bytes);
 int sk_free(int device, void* ptr);
 int sk_host_alloc_mapped(int device, size_t bytes, void** host_ptr, void** device_ptr);
 int sk_host_free(void* host_ptr);

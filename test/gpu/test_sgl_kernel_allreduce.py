@@ -141,6 +141,65 @@ def test_fused_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
             )
 
 
+@pytest.mark.parametrize("world_size", [2, 8])
+@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+def test_fused_split_into_all_reduce_and_norm_launches_matches_reference(world_size, variant):
+    """fused_rows_per_block=1: every fused call with more rows than blocks runs as the
+    all-reduce, then the add + RMSNorm launch with one block per row."""
+    ranks = _make_ranks(
+        world_size, max_tokens=512, oneshot_max_bytes=512 * 7168 * 2, fused_rows_per_block=1
+    )
+    try:
+        for tokens in (1, 3, 64, 300, 512):
+            nbytes = tokens * 7168 * 2
+            blocks = ranks.workspaces[0].plan(nbytes)[1]
+            assert sk.split_fused(tokens, blocks, ranks.workspaces[0].tuning) == (tokens > blocks)
+            xs, residual, weight = _inputs(world_size, tokens, 7168, torch.bfloat16, seed=tokens)
+            outs = ranks.run(
+                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                    xs[r], res, w, EPS, ws, variant=variant
+                )
+            )
+            _check_fused(ranks, xs, residual, weight, outs, f"split {variant} {tokens}")
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("op", ["plain", "fused"])
+def test_inputs_holding_the_not_arrived_pattern_still_arrive(op):
+    """One-shot buffers start as 0xFFFF lanes ("not arrived"); an input lane with that bit
+    pattern (a bf16 NaN) is sent as another NaN, so the call completes instead of timing out."""
+    world_size, tokens, hidden = 4, 4, 2048
+    ranks = _make_ranks(world_size, max_tokens=tokens, hidden=hidden, timeout_ms=2000)
+    try:
+        xs, residual, weight = _inputs(world_size, tokens, hidden, torch.bfloat16, seed=9)
+        xs[1].view(torch.int16)[2, 100] = -1  # 0xFFFF
+        if op == "plain":
+            outs = ranks.run(lambda r, ws: sk.all_reduce(xs[r], ws, variant="oneshot"))
+        else:
+            outs = [
+                norm
+                for norm, _ in ranks.run(
+                    lambda r, ws: sk.fused_allreduce_add_rmsnorm(
+                        xs[r], residual, weight, EPS, ws, variant="oneshot"
+                    )
+                )
+            ]
+        torch.cuda.synchronize()
+        ranks.check_errors()
+        for out in outs:
+            assert torch.isnan(out[2, 100]), "the NaN lane must stay a NaN"
+            if op == "plain":  # other elements are unaffected (a NaN row poisons the norm)
+                mask = torch.ones_like(out, dtype=torch.bool)
+                mask[2, 100] = False
+                expected = reference_all_reduce(xs)
+                rtol, atol = TOLERANCES[torch.bfloat16]
+                err = (out.float() - expected).abs() - rtol * expected.abs()
+                assert err[mask].max().item() <= atol
+    finally:
+        ranks.close()
+
+
 def test_inputs_are_not_modified(forced_ranks):
     n = forced_ranks.world_size
     xs, residual, weight = _inputs(n, 5, 2048, torch.bfloat16, seed=3)
@@ -242,8 +301,9 @@ def test_back_to_back_calls_of_different_sizes_without_sync(forced_ranks):
 
 
 def _three_calls_with_slow_rank(variant: str, single_buffer: bool) -> list[float]:
-    """Rank 0 stalls 2 ms after each wait, i.e. while it still has to read its buffers; the
-    other ranks go straight on to the next call. Returns each result's violation."""
+    """Rank 0 stalls 2 ms while it still has to read its buffers (one-shot: after its push;
+    two-shot: after each wait); the other ranks go straight on to the next call. No end barrier
+    holds them back. Returns each result's violation."""
     world_size = 4
     ranks = _make_ranks(world_size, max_tokens=64, hidden=2048, oneshot_max_bytes=64 * 2048 * 2)
     try:
@@ -271,9 +331,9 @@ def test_no_rank_overwrites_a_buffer_a_slow_peer_still_reads(variant):
     assert max(violations) <= atol, violations
 
 
-def test_buffer_reuse_test_catches_a_kernel_without_the_double_buffer():
-    """Negative control for the test above: with the parity double buffer switched off, fast
-    ranks overwrite the slow rank's one-shot slots before it reads them."""
+def test_buffer_reuse_test_catches_a_kernel_without_the_rotating_buffers():
+    """Negative control for the test above: with one one-shot buffer instead of three (and no
+    clearing), fast ranks overwrite the slow rank's one-shot data before it reads them."""
     _, atol = TOLERANCES[torch.bfloat16]
     violations = _three_calls_with_slow_rank("oneshot", single_buffer=True)
     assert max(violations) > atol, "the race did not show: the reuse test proves nothing"

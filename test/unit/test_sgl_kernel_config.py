@@ -27,6 +27,7 @@ def _clean_env(monkeypatch):
     for name, old_names in env.DEPRECATED.items():
         for variable in (name, *old_names):
             monkeypatch.delenv(variable, raising=False)
+    monkeypatch.delenv(env.FUSED_ROWS_PER_BLOCK, raising=False)
     monkeypatch.setattr(env, "_warned", set())  # each test sees its process's first warning
 
 
@@ -34,31 +35,39 @@ def _clean_env(monkeypatch):
 
 
 def test_workspace_bytes_follow_the_readme_formula_at_8_ranks_hidden_7168():
-    # README: bytes = 16 KiB + 2 N slot + S, slot = max(min(O, S), ceil(S / N)).
+    # README: bytes = 16 KiB + 3 N L + 2 N C + S, L = min(O, S), C = ceil(S / N).
     for max_tokens in (64, 256, 512, 2048):
         s = max_tokens * 7168 * 2
-        slot = max(min(32 * KIB, s), s // 8)
-        assert sk.workspace_bytes(8, max_tokens, 7168) == 16 * KIB + 2 * 8 * slot + s
+        lamport, chunk = min(32 * KIB, s), s // 8
+        expected = 16 * KIB + 3 * 8 * lamport + 2 * 8 * chunk + s
+        assert sk.workspace_bytes(8, max_tokens, 7168) == expected
 
 
-def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_10_5_mib():
-    assert sk.workspace_bytes(8, 256, 7168) == 11_026_432
+def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_11_3_mib():
+    assert sk.workspace_bytes(8, 256, 7168) == 11_812_864
 
 
 @pytest.mark.parametrize(
-    ("world_size", "max_bytes", "oneshot", "slot"),
+    ("world_size", "max_bytes", "oneshot", "lamport", "slot"),
     [
-        (2, 1 * MIB, 4 * MIB, 1 * MIB),  # one-shot covers everything: slot = whole message
-        (8, 1 * MIB, 32 * KIB, 128 * KIB),  # two-shot chunk (S / 8) is the larger need
-        (8, 128 * KIB, 32 * KIB, 32 * KIB),  # one-shot message is the larger need
-        (4, 16 * 3 * 1000, 1 * KIB, 12_032),  # chunk 12000 rounded up to 256
+        (2, 1 * MIB, 4 * MIB, 1 * MIB, 512 * KIB),  # one-shot covers everything
+        (8, 1 * MIB, 32 * KIB, 32 * KIB, 128 * KIB),
+        (8, 16 * KIB, 32 * KIB, 16 * KIB, 2 * KIB),  # one-shot slot no larger than the message
+        (4, 16 * 3 * 1000, 1 * KIB, 1 * KIB, 12_032),  # chunk 12000 rounded up to 256
     ],
 )
-def test_push_slot_holds_a_oneshot_message_or_a_twoshot_chunk(world_size, max_bytes, oneshot, slot):
+def test_slots_hold_a_oneshot_message_or_a_twoshot_chunk(
+    world_size, max_bytes, oneshot, lamport, slot
+):
     layout = sk.workspace_layout(world_size, max_bytes, oneshot)
-    assert layout.slot_bytes == slot
+    assert (layout.lamport_slot_bytes, layout.slot_bytes) == (lamport, slot)
+    assert layout.push_offset == layout.lamport_offset + 3 * world_size * lamport
     assert layout.gather_offset == layout.push_offset + 2 * world_size * slot
     assert layout.total_bytes >= layout.gather_offset + max_bytes
+
+
+def test_control_words_and_call_state_fit_before_the_buffers():
+    assert config.CONTROL_OFFSET + _lib.CONTROL_WORDS * 4 <= config.LAMPORT_OFFSET
 
 
 def test_layout_refuses_sizes_that_are_not_whole_vectors():
@@ -94,6 +103,29 @@ def test_variant_switches_to_twoshot_just_above_the_threshold():
 )
 def test_grid_grows_with_the_message_up_to_max_blocks(nbytes, blocks):
     assert sk.choose_blocks(nbytes, sk.resolve_tuning(4)) == blocks
+
+
+@pytest.mark.parametrize(
+    ("rows", "blocks", "rows_per_block", "split"),
+    [
+        (4, 14, 1, False),  # verify sizes: one launch, each row's block polls its own row
+        (64, 64, 1, False),
+        (65, 64, 1, True),  # a block would own two rows: all-reduce, then the norm launch
+        (2048, 64, 1, True),
+        (2048, 64, 32, False),
+    ],
+)
+def test_fused_call_splits_only_when_a_block_would_own_several_rows(
+    rows, blocks, rows_per_block, split
+):
+    tuning = sk.resolve_tuning(2, fused_rows_per_block=rows_per_block)
+    assert sk.split_fused(rows, blocks, tuning) is split
+
+
+def test_fused_rows_per_block_defaults_to_one_and_reads_its_variable(monkeypatch):
+    assert sk.resolve_tuning(2).fused_rows_per_block == 1
+    monkeypatch.setenv("SGLANG_SM120_FUSED_ROWS_PER_BLOCK", "8")
+    assert sk.resolve_tuning(2).fused_rows_per_block == 8
 
 
 # --------------------------------------------------------------------------- settings

@@ -35,6 +35,7 @@ from .config import (
     choose_variant,
     default_oneshot_max_bytes,
     resolve_tuning,
+    split_fused,
     workspace_bytes,
     workspace_layout,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "fused_allreduce_add_rmsnorm",
     "get_workspace",
     "resolve_tuning",
+    "split_fused",
     "validate_all_reduce",
     "validate_fused",
     "workspace_bytes",

@@ -13,12 +13,18 @@ from pathlib import Path
 from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_RANKS = 8
 MAX_BLOCKS = 64
 THREADS = 512
 FLAG_WORDS = 2 * 2 * MAX_RANKS * MAX_BLOCKS
 CTRL_WORDS = 8
+STATE_OFFSET_WORDS = 64
+STATE_WORDS = 8
+CONTROL_WORDS = STATE_OFFSET_WORDS + MAX_BLOCKS * STATE_WORDS
+LAMPORT_BUFFERS = 3
+LAMPORT_EMPTY_BYTE = 0xFF  # every 16-bit lane 0xFFFF: "not arrived"
+TIMELINE_WORDS = 8  # clock64 per phase 0..5, %globaltimer at phases 0 and 5
 CTRL_ERR_CODE = 2
 CTRL_ERR_SRC = 3
 CTRL_ERR_KIND = 4
@@ -27,6 +33,9 @@ DTYPE_BF16 = 0
 DTYPE_FP16 = 1
 VARIANT_ONESHOT = 0
 VARIANT_TWOSHOT = 1
+FUSED_NONE = 0
+FUSED_RMSNORM = 1
+FUSED_NORM_ONLY = 2
 DEBUG_SINGLE_BUFFER = 1
 IPC_HANDLE_BYTES = 64
 
@@ -45,13 +54,16 @@ class LaunchParams(ctypes.Structure):
         ("residual_in", ctypes.c_void_p),
         ("residual_out", ctypes.c_void_p),
         ("weight", ctypes.c_void_p),
+        ("lamport", _c_ptrs),
         ("push", _c_ptrs),
         ("gather", _c_ptrs),
         ("flags", _c_ptrs),
         ("control", ctypes.c_void_p),
         ("error_host", ctypes.c_void_p),
+        ("timeline", ctypes.c_void_p),
         ("numel", ctypes.c_int64),
         ("slot_bytes", ctypes.c_int64),
+        ("lamport_slot_bytes", ctypes.c_int64),
         ("timeout_ns", ctypes.c_uint64),
         ("debug_delay_ns", ctypes.c_uint64),
         ("rows", ctypes.c_int32),
@@ -94,6 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sk_can_access_peer": [i32, i32, pi32],
         "sk_max_resident_blocks": [i32, pi32],
         "sk_alloc_zeroed": [i32, sz, pvp],
+        "sk_fill": [i32, vp, i32, sz],
         "sk_free": [i32, vp],
         "sk_host_alloc_mapped": [i32, sz, pvp, pvp],
         "sk_host_free": [vp],

@@ -16,6 +16,7 @@ ENV_ONESHOT_MAX_BYTES = env.ONESHOT_MAX_BYTES
 ENV_BLOCK_BYTES = env.BLOCK_BYTES
 ENV_MAX_BLOCKS = env.MAX_BLOCKS
 ENV_TIMEOUT_MS = env.TIMEOUT_MS
+ENV_FUSED_ROWS_PER_BLOCK = env.FUSED_ROWS_PER_BLOCK
 
 MIN_WORLD_SIZE = 2
 MAX_WORLD_SIZE = _lib.MAX_RANKS
@@ -26,11 +27,15 @@ VECTOR_BYTES = 16  # the kernels move 16-byte vectors: sizes must be multiples o
 DEFAULT_TIMEOUT_MS = 5000
 DEFAULT_BLOCK_BYTES = 4096
 DEFAULT_MAX_BLOCKS = 64  # one block per SM; the fused epilogue is bound by memory parallelism
+# 2x H200 (NVLink), TP2, hidden 7168: the two-launch form was 11-14% faster wherever a block
+# owned several rows (256-2048 tokens) and equal elsewhere (README, "Measured").
+DEFAULT_FUSED_ROWS_PER_BLOCK = 1
 
 FLAGS_OFFSET = 0
-CONTROL_OFFSET = _lib.FLAG_WORDS * 4  # 8 KiB of flags
-PUSH_OFFSET = 16384  # control words, then the push region on its own 16 KiB boundary
+CONTROL_OFFSET = _lib.FLAG_WORDS * 4  # 8 KiB of flags, then control words and call state
+LAMPORT_OFFSET = 16384  # the buffers start on their own 16 KiB boundary
 REGION_ALIGN = 256
+assert CONTROL_OFFSET + _lib.CONTROL_WORDS * 4 <= LAMPORT_OFFSET, "control words overlap buffers"
 
 
 def default_oneshot_max_bytes(world_size: int) -> int:
@@ -68,6 +73,7 @@ class Tuning:
     block_bytes: int
     max_blocks: int
     timeout_ms: int
+    fused_rows_per_block: int = DEFAULT_FUSED_ROWS_PER_BLOCK
 
 
 def resolve_tuning(
@@ -77,6 +83,7 @@ def resolve_tuning(
     block_bytes: int | None = None,
     max_blocks: int | None = None,
     timeout_ms: int | None = None,
+    fused_rows_per_block: int | None = None,
     resident_blocks: int | None = None,
     ranks_per_gpu: int = 1,
 ) -> Tuning:
@@ -110,11 +117,15 @@ def resolve_tuning(
             f"{resident_blocks} blocks it can hold at once: the spinning kernels would deadlock"
         )
     timeout = timeout_ms or env_int(ENV_TIMEOUT_MS) or DEFAULT_TIMEOUT_MS
+    rows_per_block = (
+        fused_rows_per_block or env_int(ENV_FUSED_ROWS_PER_BLOCK) or DEFAULT_FUSED_ROWS_PER_BLOCK
+    )
     return Tuning(
         oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
         block_bytes=_round_up(block, VECTOR_BYTES),
         max_blocks=blocks,
         timeout_ms=timeout,
+        fused_rows_per_block=rows_per_block,
     )
 
 
@@ -134,12 +145,15 @@ def _round_up(value: int, multiple: int) -> int:
 class WorkspaceLayout:
     """Byte layout of one rank's buffer (identical on every rank).
 
-    [flags 8 KiB][control][pad to 16 KiB][push: 2 parities x world x slot][gather: max_bytes]
+    [flags 8 KiB][control][pad to 16 KiB][one-shot: 3 buffers x world x lamport_slot]
+    [two-shot push: 2 parities x world x slot][gather: max_bytes]
     """
 
     world_size: int
     max_bytes: int
+    lamport_slot_bytes: int
     slot_bytes: int
+    lamport_offset: int
     push_offset: int
     gather_offset: int
     total_bytes: int
@@ -148,18 +162,30 @@ class WorkspaceLayout:
 def workspace_layout(world_size: int, max_bytes: int, oneshot_max_bytes: int) -> WorkspaceLayout:
     """Buffer sizes for messages up to `max_bytes`.
 
-    A push slot holds either a whole one-shot message (up to oneshot_max_bytes) or one rank's
-    reduce-scatter chunk (ceil(S / N)): slot = max(min(O, S), ceil(S / N)). Total per GPU:
-    16 KiB + 2 N slot + S.
+    A one-shot slot holds a whole one-shot message (L = min(O, S)); three rotating buffers of N
+    slots each (Lamport: each is cleared one call after it was read). A two-shot slot holds one
+    rank's reduce-scatter chunk (C = ceil(S / N)), two parities of N slots. Total per GPU:
+    16 KiB + 3 N L + 2 N C + S (about 16 KiB + 3 N L + 3 S).
     """
     check_world_size(world_size)
     if max_bytes <= 0 or max_bytes % VECTOR_BYTES:
         raise ValueError(f"max_bytes={max_bytes} must be a positive multiple of {VECTOR_BYTES}")
     chunk_bytes = math.ceil(max_bytes / VECTOR_BYTES / world_size) * VECTOR_BYTES
-    slot = _round_up(max(min(oneshot_max_bytes, max_bytes), chunk_bytes), REGION_ALIGN)
-    gather_offset = PUSH_OFFSET + 2 * world_size * slot
+    lamport_slot = _round_up(min(oneshot_max_bytes, max_bytes), REGION_ALIGN)
+    slot = _round_up(chunk_bytes, REGION_ALIGN)
+    push_offset = LAMPORT_OFFSET + _lib.LAMPORT_BUFFERS * world_size * lamport_slot
+    gather_offset = push_offset + 2 * world_size * slot
     total = gather_offset + _round_up(max_bytes, REGION_ALIGN)
-    return WorkspaceLayout(world_size, max_bytes, slot, PUSH_OFFSET, gather_offset, total)
+    return WorkspaceLayout(
+        world_size,
+        max_bytes,
+        lamport_slot,
+        slot,
+        LAMPORT_OFFSET,
+        push_offset,
+        gather_offset,
+        total,
+    )
 
 
 def workspace_bytes(
@@ -177,6 +203,14 @@ def workspace_bytes(
 def choose_variant(nbytes: int, tuning: Tuning) -> int:
     """One-shot up to oneshot_max_bytes, two-shot above."""
     return _lib.VARIANT_ONESHOT if nbytes <= tuning.oneshot_max_bytes else _lib.VARIANT_TWOSHOT
+
+
+def split_fused(rows: int, blocks: int, tuning: Tuning) -> bool:
+    """Whether a fused call runs as two launches (all-reduce, then add + RMSNorm with one block
+    per row): when a block of the all-reduce grid would own more than
+    `fused_rows_per_block` rows, the epilogue's parallelism, not the communication, bounds the
+    one-launch kernel."""
+    return math.ceil(rows / blocks) > tuning.fused_rows_per_block
 
 
 def choose_blocks(nbytes: int, tuning: Tuning) -> int:

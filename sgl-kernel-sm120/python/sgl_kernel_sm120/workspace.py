@@ -31,6 +31,7 @@ from .config import (
     choose_blocks,
     choose_variant,
     resolve_tuning,
+    split_fused,
     workspace_layout,
 )
 from .errors import CommTimeoutError, WorkspaceError
@@ -80,12 +81,21 @@ def _resident_blocks(device_index: int) -> int:
     return blocks.value
 
 
-def _alloc(device_index: int, nbytes: int) -> int:
+def _alloc(device_index: int, layout: WorkspaceLayout) -> int:
+    """One rank's buffer: zeroed (flags, call state), one-shot buffers all "not arrived"."""
     ptr = ctypes.c_void_p()
+    lib = _lib.lib()
     _lib.check(
-        _lib.lib().sk_alloc_zeroed(device_index, nbytes, ctypes.byref(ptr)),
-        f"cudaMalloc of {nbytes} bytes",
+        lib.sk_alloc_zeroed(device_index, layout.total_bytes, ctypes.byref(ptr)),
+        f"cudaMalloc of {layout.total_bytes} bytes",
     )
+    lamport_bytes = layout.push_offset - layout.lamport_offset
+    code = lib.sk_fill(
+        device_index, ptr.value + layout.lamport_offset, _lib.LAMPORT_EMPTY_BYTE, lamport_bytes
+    )
+    if code != 0:
+        lib.sk_free(device_index, ptr.value)
+        _lib.check(code, f"cudaMemset of {lamport_bytes} bytes")
     return ptr.value
 
 
@@ -154,6 +164,7 @@ class CommWorkspace:
         block_bytes: int | None = None,
         max_blocks: int | None = None,
         timeout_ms: int | None = None,
+        fused_rows_per_block: int | None = None,
     ) -> list[CommWorkspace]:
         """`world_size` ranks in this process on one GPU; returns one workspace per rank.
 
@@ -171,11 +182,12 @@ class CommWorkspace:
             block_bytes=block_bytes,
             max_blocks=max_blocks,
             timeout_ms=timeout_ms,
+            fused_rows_per_block=fused_rows_per_block,
             resident_blocks=_resident_blocks(device.index),
             ranks_per_gpu=world_size,
         )
         layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
-        buffers = [_alloc(device.index, layout.total_bytes) for _ in range(world_size)]
+        buffers = [_alloc(device.index, layout) for _ in range(world_size)]
         return [
             cls(
                 rank=rank,
@@ -205,6 +217,7 @@ class CommWorkspace:
         block_bytes: int | None = None,
         max_blocks: int | None = None,
         timeout_ms: int | None = None,
+        fused_rows_per_block: int | None = None,
     ) -> CommWorkspace:
         """Collective over `group` (a torch.distributed ProcessGroup, gloo or nccl).
 
@@ -238,16 +251,24 @@ class CommWorkspace:
                 block_bytes=block_bytes,
                 max_blocks=max_blocks,
                 timeout_ms=timeout_ms,
+                fused_rows_per_block=fused_rows_per_block,
                 resident_blocks=min(i["resident"] for i in infos),
                 ranks_per_gpu=ranks_per_gpu,
             )
-            settings = (max_bytes, tuning.oneshot_max_bytes, tuning.block_bytes, tuning.max_blocks)
+            settings = (
+                max_bytes,
+                tuning.oneshot_max_bytes,
+                tuning.block_bytes,
+                tuning.max_blocks,
+                tuning.fused_rows_per_block,
+            )
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         all_settings = _agree(group, error, settings, "checking settings")
         if len(set(all_settings)) != 1:
             raise WorkspaceError(
-                "ranks disagree on (max_bytes, oneshot_max_bytes, block_bytes, max_blocks): "
+                "ranks disagree on (max_bytes, oneshot_max_bytes, block_bytes, max_blocks, "
+                "fused_rows_per_block): "
                 f"{all_settings}; use the same arguments and SGLANG_SM120_* variables"
             )
 
@@ -259,7 +280,7 @@ class CommWorkspace:
         layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
         error, handle, own = None, b"", 0
         try:
-            own = _alloc(dev, layout.total_bytes)
+            own = _alloc(dev, layout)
             buf = ctypes.create_string_buffer(_lib.IPC_HANDLE_BYTES)
             _lib.check(_lib.lib().sk_ipc_get_handle(dev, own, buf), "cudaIpcGetMemHandle")
             handle = buf.raw
@@ -367,12 +388,14 @@ class CommWorkspace:
     def _base_params(self, device_error: int) -> _lib.LaunchParams:
         p = _lib.LaunchParams()
         for peer, base in enumerate(self._buffers):
+            p.lamport[peer] = base + self.layout.lamport_offset
             p.push[peer] = base + self.layout.push_offset
             p.gather[peer] = base + self.layout.gather_offset
             p.flags[peer] = base
         p.control = self._buffers[self.rank] + CONTROL_OFFSET
         p.error_host = device_error
         p.slot_bytes = self.layout.slot_bytes
+        p.lamport_slot_bytes = self.layout.lamport_slot_bytes
         p.timeout_ns = self.tuning.timeout_ms * 1_000_000
         p.rank = self.rank
         p.world_size = self.world_size
@@ -380,13 +403,29 @@ class CommWorkspace:
         return p
 
     def _set_debug(
-        self, *, single_buffer: bool = False, delay_rank: int = -1, delay_us: int = 0
+        self,
+        *,
+        single_buffer: bool = False,
+        delay_rank: int = -1,
+        delay_us: int = 0,
+        timeline: torch.Tensor | None = None,
     ) -> None:
-        """Test hooks. single_buffer drops the parity double buffer (UNSAFE, proves the
-        buffer-reuse test can fail); delay_us stalls `delay_rank` after each of its waits."""
+        """Test and profiling hooks. single_buffer: one one-shot buffer, never cleared, and one
+        two-shot parity (UNSAFE: proves the buffer-reuse test can fail); delay_us stalls
+        `delay_rank` after its one-shot push and after each two-shot wait; timeline (int64
+        [TIMELINE_WORDS] on this device) receives block 0's clock64 at each phase of every
+        later launch (0 start, 1 state read, 2 pushed, 3 cleared / first round done, 4 reduced /
+        gathered, 5 end; words 6 and 7: %globaltimer at phases 0 and 5)."""
         self._params.debug_flags = _lib.DEBUG_SINGLE_BUFFER if single_buffer else 0
         self._params.debug_delay_rank = delay_rank
         self._params.debug_delay_ns = delay_us * 1000
+        if timeline is not None and (
+            timeline.dtype != torch.int64
+            or timeline.numel() < _lib.TIMELINE_WORDS
+            or timeline.device != self.device
+        ):
+            raise ValueError(f"timeline must be int64 [>= {_lib.TIMELINE_WORDS}] on {self.device}")
+        self._params.timeline = None if timeline is None else timeline.data_ptr()
 
     def plan(self, nbytes: int, variant: int = -1) -> tuple[int, int]:
         """(variant, blocks) this workspace uses for a message of nbytes; variant -1 = auto."""
@@ -394,10 +433,10 @@ class CommWorkspace:
             variant = choose_variant(nbytes, self.tuning)
         elif variant not in _VARIANT_NAMES:
             raise ValueError(f"variant {variant} unknown: {_VARIANT_NAMES}")
-        if variant == _lib.VARIANT_ONESHOT and nbytes > self.layout.slot_bytes:
+        if variant == _lib.VARIANT_ONESHOT and nbytes > self.layout.lamport_slot_bytes:
             raise ValueError(
-                f"one-shot needs the message ({nbytes} bytes) to fit a push slot "
-                f"({self.layout.slot_bytes} bytes): raise oneshot_max_bytes at creation"
+                f"one-shot needs the message ({nbytes} bytes) to fit a one-shot slot "
+                f"({self.layout.lamport_slot_bytes} bytes): raise oneshot_max_bytes at creation"
             )
         return variant, choose_blocks(nbytes, self.tuning)
 
@@ -425,19 +464,33 @@ class CommWorkspace:
         p.variant = variant
         p.blocks = blocks
         p.dtype = _DTYPE_CODES[inp.dtype]
+        norm = None
         if residual_in is not None:
-            p.fused = 1
+            p.fused = _lib.FUSED_RMSNORM
             p.residual_in = residual_in.data_ptr()
             p.residual_out = residual_out.data_ptr()
             p.weight = weight.data_ptr()
             p.rows = inp.shape[0]
             p.hidden = inp.shape[1]
             p.eps = eps
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+            if split_fused(p.rows, blocks, self.tuning):
+                # All-reduce into `out`, then add + RMSNorm in place, one block per row.
+                norm = _lib.LaunchParams.from_buffer_copy(p)
+                norm.fused = _lib.FUSED_NORM_ONLY
+                norm.input = out.data_ptr()
+                norm.blocks = p.rows
+                p.fused = _lib.FUSED_NONE
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        lib = _lib.lib()
         _lib.check(
-            _lib.lib().sk_launch(ctypes.byref(p), self.device.index, ctypes.c_void_p(stream)),
+            lib.sk_launch(ctypes.byref(p), self.device.index, stream),
             f"launch ({_VARIANT_NAMES[variant]}, {blocks} blocks)",
         )
+        if norm is not None:
+            _lib.check(
+                lib.sk_launch(ctypes.byref(norm), self.device.index, stream),
+                f"launch (add + RMSNorm, {norm.blocks} blocks)",
+            )
 
 
 def _agree(group: Any, error: str | None, payload: Any, stage: str) -> list[Any]:
