@@ -27,6 +27,7 @@ from typing import Any
 from sglang_sm120 import SGLANG_PIN, __version__
 from sglang_sm120.contract import Symbol, check, resolve
 from sglang_sm120.runtime import (
+    LAUNCH_PLAN_ENV,
     PATCH_STATUS,
     log_once,
     logger,
@@ -83,6 +84,8 @@ def register_patches(role: str) -> dict[str, str]:
     patch's status. Hooks are applied by SGLang's loader, not here."""
     from sglang_sm120.patches import PATCHES, patch_name
 
+    if role == "launcher":  # it publishes its own plan; one inherited from elsewhere is stale
+        os.environ.pop(LAUNCH_PLAN_ENV, None)
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         _set_all(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)

@@ -59,10 +59,17 @@ class Deployment:
     plugin_backend: str | None = None
     tuning: TuningTable | None = None
     tuning_note: str = ""
-    gpu_ids: tuple[int, ...] | None = None  # None: the first tp_size visible GPUs
+    gpu_ids: tuple[int, ...] | None = None  # every GPU this node's ranks use; None: first tp
+    ray: bool = False  # --use-ray: the actors never load SGLang plugins
+    disaggregation: bool = False  # PD disaggregation: a prefill server sends KV, not tokens
 
-    def tp_gpu_ids(self) -> tuple[int, ...]:
+    def used_gpu_ids(self) -> tuple[int, ...]:
+        """Every GPU the node's ranks use (all must be SM12x with P2P between them)."""
         return self.gpu_ids if self.gpu_ids is not None else tuple(range(self.tp_size))
+
+    def first_tp_group(self) -> tuple[int, ...]:
+        """The GPUs of TP group 0, whose shape the tuning table was measured on."""
+        return self.used_gpu_ids()[: self.tp_size]
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,13 @@ def _fusion_blocker(
         return f"fusion off: {PLUGIN_BACKEND_ENV}=off"
     if d.tp_size <= 1:
         return "fusion off: tp=1 has no all-reduce"
+    if d.deterministic:
+        return "fusion off: deterministic inference (upstream turns the fused all-reduce off)"
+    if d.ray:
+        return (
+            "fusion off: --use-ray (Ray actors do not load SGLang plugins, and upstream's fused "
+            "backends refuse SM12x there)"
+        )
     if d.model_arch is None and d.fusion_backend_flag is None:
         return "fusion not planned: model architecture unknown (pass --model-arch)"
     if d.model_arch is not None and d.model_arch not in archs:
@@ -211,6 +225,11 @@ def _sm120_pcie_blocker(facts: HostFacts, d: Deployment) -> str | None:
         return f"sgl-kernel-sm120 serves TP 2/4/8, not {d.tp_size}"
     if d.dtype is not None and d.dtype not in SM120_PCIE_DTYPES:
         return f"sgl-kernel-sm120 serves bf16/fp16, model dtype is {d.dtype}"
+    if d.disaggregation:
+        return (
+            "PD disaggregation: a prefill server sends KV caches without streaming outputs, "
+            "where sgl-kernel-sm120's peer-timeout check sits"
+        )
     return None
 
 
@@ -305,6 +324,8 @@ def _plan_plain(
         return "none", "plain all-reduce: none at tp=1"
     if d.nnodes > 1 or facts.nnodes > 1:
         return "nccl", "plain all-reduce NCCL: multi-node"
+    if d.ray:
+        return "nccl", "plain all-reduce NCCL: --use-ray (the actors do not load SGLang plugins)"
     if not cap.fusion_capable:
         return "nccl", f"plain all-reduce NCCL: {cap.reasons[0]}"
     if not cap.pcie_ipc_capable:
@@ -343,7 +364,7 @@ def plan_allreduce(
     facts: HostFacts, deployment: Deployment, fusion_archs: Collection[str]
 ) -> AllReducePlan:
     """The all-reduce plan for one launch. Pure: same inputs, same plan."""
-    gpu_ids = deployment.tp_gpu_ids()
+    gpu_ids = deployment.used_gpu_ids()
     cap = hardware_capability(facts, gpu_ids)
     if not cap.sm12x:
         return AllReducePlan(False, None, "upstream", cap.reasons)

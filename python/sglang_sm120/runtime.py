@@ -140,14 +140,25 @@ def with_tuning(deployment: Deployment, hidden: int | None, dtype: str | None) -
     if hidden is None or dtype is None or deployment.tp_size <= 1:
         return deployment
     table, note = load_table(
-        current_facts(), deployment.tp_size, hidden, dtype, deployment.tp_gpu_ids()
+        current_facts(), deployment.tp_size, hidden, dtype, deployment.first_tp_group()
     )
     return dataclasses.replace(deployment, tuning=table, tuning_note=note)
 
 
-def tp_gpu_ids(tp_size: int, base_gpu_id: int, gpu_id_step: int) -> tuple[int, ...]:
-    """The CUDA indices SGLang gives TP ranks 0..tp-1 on one node (as its engine computes)."""
-    return tuple(base_gpu_id + rank * gpu_id_step for rank in range(tp_size))
+def node_gpu_ids(
+    *, tp: int, pp: int, replicas: int, base_gpu_id: int, gpu_id_step: int
+) -> tuple[int, ...]:
+    """The CUDA indices SGLang gives the ranks of one node, as its engine and DP controller
+    compute them: TP rank t of PP stage p of data-parallel replica r uses
+    base + r * tp * pp * step + p * tp + t * step."""
+    ids = {
+        base_gpu_id + r * tp * pp * gpu_id_step + p * tp + t * gpu_id_step
+        for r in range(replicas)
+        for p in range(pp)
+        for t in range(tp)
+    }
+    first_group = [base_gpu_id + t * gpu_id_step for t in range(tp)]
+    return (*first_group, *sorted(ids - set(first_group)))
 
 
 def deployment_from_view(view: Any) -> Deployment:
@@ -157,10 +168,19 @@ def deployment_from_view(view: Any) -> Deployment:
 
     model_config = model_config_of(view)
     dtype = str(model_config.dtype).removeprefix("torch.")
+    attention_dp = attn_dp_enabled_of(view)
+    single_node = view.nnodes == 1
+    gpu_ids = node_gpu_ids(
+        tp=view.tp_size,
+        pp=view.pp_size if single_node else 1,
+        replicas=view.dp_size if view.dp_size > 1 and not attention_dp and single_node else 1,
+        base_gpu_id=view.base_gpu_id,
+        gpu_id_step=view.gpu_id_step,
+    )
     deployment = Deployment(
         tp_size=view.tp_size,
         nnodes=view.nnodes,
-        attention_dp=attn_dp_enabled_of(view),
+        attention_dp=attention_dp,
         moe_a2a_backend=view.moe_a2a_backend,
         model_arch=model_config.hf_config.architectures[0],
         dtype=dtype,
@@ -169,7 +189,9 @@ def deployment_from_view(view: Any) -> Deployment:
         pcie_ipc_env=pcie_ipc_env(),
         deterministic=bool(view.enable_deterministic_inference),
         plugin_backend=plugin_backend(),
-        gpu_ids=tp_gpu_ids(view.tp_size, view.base_gpu_id, view.gpu_id_step),
+        gpu_ids=gpu_ids,
+        ray=bool(view.use_ray),
+        disaggregation=view.disaggregation_mode not in (None, "null"),
     )
     return with_tuning(deployment, model_config.hidden_size, dtype)
 
@@ -194,11 +216,11 @@ def plan_for_view(view: Any) -> AllReducePlan:
     """The launcher's plan, published to the workers it spawns."""
     deployment = deployment_from_view(view)
     plan = plan_for(deployment, "server args")
-    capability = hardware_capability(current_facts(), deployment.tp_gpu_ids())
+    capability = hardware_capability(current_facts(), deployment.used_gpu_ids())
     os.environ[LAUNCH_PLAN_ENV] = json.dumps(
         {
             "tp_size": deployment.tp_size,
-            "gpu_ids": list(deployment.tp_gpu_ids()),
+            "gpu_ids": list(deployment.used_gpu_ids()),
             "capability": capability.to_json(),
             "plan": plan.to_json(),
         }
@@ -214,27 +236,23 @@ def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
         return None
     try:
         data = json.loads(raw)
-        return (
-            int(data["tp_size"]),
-            Capability.from_json(data["capability"]),
-            AllReducePlan.from_json(data["plan"]),
-        )
+        tp_size = int(data["tp_size"])
+        capability = Capability.from_json(data["capability"])
+        plan = AllReducePlan.from_json(data["plan"])
     except (ValueError, KeyError, TypeError) as exc:
         log_once(logging.WARNING, f"sglang-sm120: {LAUNCH_PLAN_ENV} unreadable ({exc}): ignored")
         return None
+    _last_plan[:] = [plan]
+    if plan.managed:
+        log_once(logging.INFO, f"sglang-sm120 plan (from launcher, tp={tp_size}): {plan.summary()}")
+    return tp_size, capability, plan
 
 
 def worker_plan() -> AllReducePlan | None:
     """The launcher's plan, in a worker; None when the launcher published none (the worker
     patches then leave every decision to upstream)."""
     launched = _launch_plan()
-    if launched is None:
-        return None
-    tp_size, _, plan = launched
-    _last_plan[:] = [plan]
-    if plan.managed:
-        log_once(logging.INFO, f"sglang-sm120 plan (from launcher, tp={tp_size}): {plan.summary()}")
-    return plan
+    return launched[2] if launched else None
 
 
 def worker_tp_size() -> int | None:

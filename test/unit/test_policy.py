@@ -32,6 +32,19 @@ def one_pair_missing():
     return host(p2p=matrix)
 
 
+def mixed_host():
+    """GPUs 0-3 SM90, 4-7 SM120, P2P everywhere."""
+    gpus = [{"name": "H100", "capability": [9, 0]}] * 4 + [
+        {"name": "PRO", "capability": [12, 0]}
+    ] * 4
+    return facts_from_json({"gpus": gpus, "p2p": "all"}, "mixed")
+
+
+WITH_KERNEL = dataclasses.replace(
+    PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": "0.5.23.1"}
+)
+SM120_PCIE = "sm120_pcie"
+
 D = Deployment
 ROWS = [
     # id, facts, deployment, fusion_backend, plain_allreduce
@@ -120,6 +133,57 @@ ROWS = [
     ("user turned PCIe-IPC off", PCIE8, D(8, model_arch=KIMI, pcie_ipc_env=False), None, "nccl"),
     ("deterministic inference", PCIE8, D(8, model_arch=KIMI, deterministic=True), None, "nccl"),
     ("fp16 model", PCIE8, D(8, model_arch=KIMI, dtype="float16"), None, "nccl"),
+    (
+        "deterministic turns tp2 fusion off",
+        PCIE8,
+        D(2, model_arch=KIMI, deterministic=True),
+        None,
+        "nccl",
+    ),
+    ("--use-ray", PCIE8, D(2, model_arch=KIMI, ray=True), None, "nccl"),
+    (
+        "sm120_pcie, user PCIe-IPC=1 keeps plain all-reduces on PCIe-IPC",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, plugin_backend=SM120_PCIE, pcie_ipc_env=True),
+        SM120_PCIE,
+        "pcie_ipc",
+    ),
+    (
+        "sm120_pcie, user PCIe-IPC=0 keeps plain all-reduces on NCCL",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, plugin_backend=SM120_PCIE, pcie_ipc_env=False),
+        SM120_PCIE,
+        "nccl",
+    ),
+    (
+        "sm120_pcie refused with PD disaggregation",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, plugin_backend=SM120_PCIE, disaggregation=True),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "--base-gpu-id 4 on SM120 GPUs",
+        mixed_host(),
+        D(4, model_arch=KIMI, gpu_ids=(4, 5, 6, 7)),
+        None,
+        "pcie_ipc",
+    ),
+    ("default GPUs 0-3 are SM90", mixed_host(), D(4, model_arch=KIMI), None, "upstream"),
+    (
+        "a second replica's GPUs lack P2P",
+        one_pair_missing(),
+        D(2, model_arch=KIMI, gpu_ids=(0, 1, 2, 6)),
+        None,
+        "nccl",
+    ),
+    (
+        "GPUs past the visible ones",
+        PCIE8,
+        D(4, model_arch=KIMI, gpu_ids=(6, 7, 8, 9)),
+        None,
+        "nccl",
+    ),
     ("SM120 with NVLink tp4", host(nvlink=True), D(4, model_arch=KIMI), None, "upstream"),
     ("SM120 with NVLink tp2", host(nvlink=True), D(2, model_arch=KIMI), "trtllm", "upstream"),
     ("SM121 counts as SM12x", host(cap=(12, 1), n=2), D(2, model_arch=KIMI), "trtllm", "pcie_ipc"),

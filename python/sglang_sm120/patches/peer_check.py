@@ -13,6 +13,10 @@ How: BEFORE hook on ``SchedulerOutputStreamer.stream_output``, the one place a s
     is current. Each live sm120_pcie workspace is checked (a read of host memory, no device
     sync); a recorded timeout raises ``CommTimeoutError`` there, which stops the scheduler, and
     is noted in the ``graph_stats`` file when that is on. Without our workspaces it does nothing.
+    Each rank checks its own calls: a rank's outputs depend only on its own reductions, and a
+    rank that timed out stops pushing, so every peer times out in its next call and stops too.
+    Not covered: PD disaggregation (a prefill server sends KV, not streamed outputs; the plan
+    refuses ``sm120_pcie`` there) and Ray actors (they load no plugins; the plan refuses it).
 Upstream: none; the backend is this distribution's.
 Removal: with the ``sm120_pcie`` backend.
 """

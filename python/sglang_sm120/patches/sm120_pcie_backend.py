@@ -29,7 +29,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
-from sglang_sm120.policy import Capability
+from sglang_sm120.policy import AllReducePlan, Capability
 from sglang_sm120.runtime import log_once, worker_plan
 
 FUSION = "sglang.srt.layers.flashinfer_comm_fusion"
@@ -89,11 +89,39 @@ KERNEL: Any = None
 @dataclass(frozen=True)
 class GroupWorkspace:
     """Our workspace of one fusion group, or ``ws=None`` when building it failed (every rank
-    alike), which sends that group's points to upstream's unfused path."""
+    alike), which sends that group's points to upstream's unfused path. Holds everything the
+    per-call decisions read (the plan included), so a call does no lookups and, under
+    torch.compile, traces plain comparisons only."""
 
     ws: Any
     world_size: int
     group_key: tuple[Any, Any]
+    plan: AllReducePlan
+    rows: int
+    hidden: int
+    dtype: Any
+
+    def serves(self, x: Any, residual: Any = None, weight: Any = None) -> bool:
+        """Whether our kernel takes this input: it fits the workspace and the plan routes its
+        token count here. While tracing, as upstream does for its own workspace, only the
+        static limits are compared (no call into the workspace object)."""
+        import torch
+
+        if self.ws is None or not self.plan.uses_sm120_pcie_at(x.shape[0]):
+            return False
+        if torch.compiler.is_compiling():
+            return x.dtype == self.dtype and x.shape[-1] == self.hidden and x.shape[0] <= self.rows
+        sk = kernel()
+        try:
+            if residual is None:
+                sk.validate_all_reduce(x, device=self.ws.device, max_bytes=self.ws.max_bytes)
+            else:
+                sk.validate_fused(
+                    x, residual, weight, device=self.ws.device, max_bytes=self.ws.max_bytes
+                )
+        except (TypeError, ValueError):  # InputTooLargeError is a ValueError too
+            return False
+        return True
 
 
 #: use_attn_tp_group -> the workspace of that fusion group
@@ -122,7 +150,21 @@ def not_needed(cap: Capability) -> str | None:
     return None if find_spec("sgl_kernel_sm120") else "sgl-kernel-sm120 is not installed"
 
 
-def _build_workspace(use_attn_tp_group: bool, hidden: int, dtype: Any) -> GroupWorkspace | None:
+def _timeout_ms() -> int:
+    """The peer-wait bound: SGLANG_SM120_TIMEOUT_MS (or a deprecated spelling), else the
+    server default; a value that is not a positive integer is refused with a warning."""
+    from sgl_kernel_sm120.config import ENV_TIMEOUT_MS, env_int
+
+    try:
+        return env_int(ENV_TIMEOUT_MS) or SERVER_TIMEOUT_MS
+    except ValueError as exc:
+        log_once(logging.WARNING, f"sglang-sm120: {exc}; using {SERVER_TIMEOUT_MS} ms")
+        return SERVER_TIMEOUT_MS
+
+
+def _build_workspace(
+    plan: AllReducePlan, use_attn_tp_group: bool, hidden: int, dtype: Any
+) -> GroupWorkspace | None:
     """This group's workspace, built collectively on the first call."""
     if use_attn_tp_group in _workspaces:
         return _workspaces[use_attn_tp_group]
@@ -133,21 +175,19 @@ def _build_workspace(use_attn_tp_group: bool, hidden: int, dtype: Any) -> GroupW
     if world_size <= 1:
         return None
     import torch
-    from sgl_kernel_sm120 import env as kernel_env
 
     sk = kernel()
     rows = _decode_width() or FALLBACK_ROWS
-    timeout_ms = int(kernel_env.get(kernel_env.TIMEOUT_MS) or SERVER_TIMEOUT_MS)
-    group_key = (coordinator.device_group, coordinator.cpu_group)
+    dtype = dtype or torch.bfloat16
     name = coordinator.unique_name
     try:
         ws = sk.CommWorkspace.create(
             coordinator.cpu_group,
             max_tokens=rows,
             hidden=hidden,
-            dtype=dtype or torch.bfloat16,
+            dtype=dtype,
             device=coordinator.device,  # the device SGLang gave this group (cuda:<gpu>)
-            timeout_ms=timeout_ms,
+            timeout_ms=_timeout_ms(),
         )
         log_once(
             logging.INFO,
@@ -160,21 +200,10 @@ def _build_workspace(use_attn_tp_group: bool, hidden: int, dtype: Any) -> GroupW
             logging.WARNING,
             f"sglang-sm120: sm120_pcie unavailable for group {name}, using the unfused path: {exc}",
         )
-    _workspaces[use_attn_tp_group] = GroupWorkspace(ws, world_size, group_key)
-    return _workspaces[use_attn_tp_group]
-
-
-def _accepts(ws: Any, x: Any, residual: Any = None, weight: Any = None) -> bool:
-    sk = kernel()
-    try:
-        if residual is None:
-            sk.validate_all_reduce(x, device=ws.device, max_bytes=ws.max_bytes)
-        else:
-            sk.validate_fused(x, residual, weight, device=ws.device, max_bytes=ws.max_bytes)
-    except (TypeError, ValueError):  # InputTooLargeError is a ValueError too
-        return False
-    plan = worker_plan()
-    return plan is not None and plan.uses_sm120_pcie_at(x.shape[0])
+    group_key = (coordinator.device_group, coordinator.cpu_group)
+    group = GroupWorkspace(ws, world_size, group_key, plan, rows, hidden, dtype)
+    _workspaces[use_attn_tp_group] = group
+    return group
 
 
 def ensure_sm120_pcie_workspace(
@@ -198,7 +227,7 @@ def ensure_sm120_pcie_workspace(
             use_oneshot,
             use_attn_tp_group,
         )
-    group = _build_workspace(use_attn_tp_group, hidden_dim, dtype)
+    group = _build_workspace(plan, use_attn_tp_group, hidden_dim, dtype)
     return group is not None and group.ws is not None
 
 
@@ -227,7 +256,7 @@ def fused_by_sm120_pcie(
             fp32_acc,
             use_attn_tp_group,
         )
-    if group.ws is None or not _accepts(group.ws, input_tensor, residual, weight):
+    if not group.serves(input_tensor, residual, weight):
         return None, None  # upstream then all-reduces and norms separately
     return kernel().fused_allreduce_add_rmsnorm(input_tensor, residual, weight, eps, group.ws)
 
@@ -244,11 +273,11 @@ def plain_fits_sm120_pcie(
             expected_group_key=expected_group_key,
         )
     return (
-        group.ws is not None
+        group.plan.plain_allreduce == BACKEND  # else the user's PCIe-IPC / NCCL choice
         and group.world_size == expected_world_size
         and group.group_key == expected_group_key
         and input_.dim() == 2
-        and _accepts(group.ws, input_)
+        and group.serves(input_)
     )
 
 
