@@ -140,3 +140,55 @@ def test_peer_error_is_written_to_the_stats_file_at_once(stats, tmp_path):
     note_peer_error("rank 1/2: timed out after 60000 ms waiting for rank 0")
     data = json.loads(next(tmp_path.glob("sm120-stats-*.json")).read_text())
     assert data["peer_error"].startswith("rank 1/2: timed out")
+
+
+def sm120_group(routes=(), plain="sm120_pcie", rows=16, hidden=64):
+    from sglang_sm120.patches.sm120_pcie_backend import GroupWorkspace
+    from sglang_sm120.policy import AllReducePlan
+
+    plan = AllReducePlan(True, "sm120_pcie", plain, ("test plan",), routes)
+    ws = SimpleNamespace(device=torch.device("cpu"), max_bytes=rows * hidden * 2)
+    return GroupWorkspace(ws, 2, ("device_group", "cpu_group"), plan, rows, hidden, torch.bfloat16)
+
+
+@pytest.mark.parametrize("routes", [(), ((4, "sm120_pcie"), (64, "nccl_norm"))])
+def test_sm120_pcie_decision_traces_under_torch_compile(routes):
+    """GroupCoordinator.all_reduce and RMSNorm call the hooks while Dynamo traces: the decision
+    must be plain comparisons (fullgraph, no graph break), with the same answers as eager."""
+    group = sm120_group(routes)
+    compiled = torch.compile(
+        lambda x: x * 3 if group.serves(x) else x + 1, fullgraph=True, backend="eager"
+    )
+    small, too_many = (
+        torch.ones(4, 64, dtype=torch.bfloat16),
+        torch.ones(32, 64, dtype=torch.bfloat16),
+    )
+    assert compiled(small)[0, 0].item() == 3.0
+    assert compiled(too_many)[0, 0].item() == 2.0
+    assert group.serves(small) and not group.serves(too_many)
+
+
+def test_plain_allreduce_stays_off_our_kernel_when_the_plan_says_nccl(monkeypatch):
+    """sm120_pcie fuses, but the user set SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0: plain all-reduces
+    of the tagged group must not enter sgl-kernel-sm120."""
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    key = ("device_group", "cpu_group")
+    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    for plain, expected in (("nccl", False), ("pcie_ipc", False), ("sm120_pcie", True)):
+        monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {True: sm120_group(plain=plain)})
+        fits = sm120_pcie_backend.plain_fits_sm120_pcie(
+            None, x, use_attn_tp_group=True, expected_world_size=2, expected_group_key=key
+        )
+        assert fits is expected, plain
+
+
+def test_bad_timeout_value_falls_back_with_a_warning(monkeypatch, caplog):
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    monkeypatch.setenv("SGLANG_SM120_TIMEOUT_MS", "abc")
+    with caplog.at_level("WARNING", logger="sglang_sm120"):
+        assert sm120_pcie_backend._timeout_ms() == sm120_pcie_backend.SERVER_TIMEOUT_MS
+    assert "SGLANG_SM120_TIMEOUT_MS='abc' is not an integer" in caplog.text
+    monkeypatch.setenv("SGLANG_SM120_TIMEOUT_MS", "2000")
+    assert sm120_pcie_backend._timeout_ms() == 2000
