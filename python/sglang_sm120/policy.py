@@ -220,7 +220,10 @@ def _fusion_blocker(
 def _sm120_pcie_blocker(facts: HostFacts, d: Deployment) -> str | None:
     """Why sgl-kernel-sm120's fused kernel cannot serve this launch, or None."""
     if facts.versions.get("sgl-kernel-sm120") is None:
-        return "sgl-kernel-sm120 is not installed (pip install 'sglang-sm120[kernels]')"
+        return (
+            "sgl-kernel-sm120 is not installed (pip install sgl-kernel-sm120; from a checkout: "
+            "pip install ./sgl-kernel-sm120, which needs nvcc >= 12.8)"
+        )
     if d.tp_size not in SM120_PCIE_WORLD_SIZES:
         return f"sgl-kernel-sm120 serves TP 2/4/8, not {d.tp_size}"
     if d.dtype is not None and d.dtype not in SM120_PCIE_DTYPES:
