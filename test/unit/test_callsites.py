@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_report import parse_report
+from kernel_library import require_kernel_package
 from sglang_sm120.runtime import LAUNCH_PLAN_ENV
-
-pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
 
 REHEARSAL = Path(__file__).with_name("callsite_rehearsal.py")
 HIDDEN = 7168
@@ -36,9 +36,7 @@ WORKER_ENV = {
 
 
 def _answer(returncode: int, stdout: str, stderr: str) -> dict:
-    lines = [line for line in stdout.splitlines() if line.startswith("REHEARSAL ")]
-    assert returncode == 0 and lines, stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("REHEARSAL "))
+    return parse_report(returncode, stdout, stderr, "REHEARSAL")
 
 
 def _free_port() -> int:
@@ -51,6 +49,7 @@ def _free_port() -> int:
 def rehearsal(model_dirs, tmp_path_factory) -> dict:
     """{"launcher": ..., "sm120_pcie": [rank0, rank1], "default": [rank0, rank1]}; each
     worker's answer also holds its stderr under "log"."""
+    require_kernel_package()  # the sm120_pcie plan needs the package in the children
     out = tmp_path_factory.mktemp("callsites")
     env = {**os.environ, **WORKER_ENV}
     for name in ("SGLANG_SM120_DISABLE", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", LAUNCH_PLAN_ENV):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_library import require_kernel_package
 from sglang_sm120.facts import load_profile
 from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
 
@@ -103,7 +104,7 @@ def test_sglang_serve_loads_the_plugin_in_every_process(deepseek):
 
 
 def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path):
-    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    require_kernel_package()
     fingerprint = host_fingerprint(load_profile(PROFILE), 2)
     rows = [Measurement("sm120_pcie", t, us, True) for t, us in ((4, 5.0), (64, 50.0))]
     rows += [Measurement("nccl_norm", t, us, True) for t, us in ((4, 20.0), (64, 30.0))]

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from child_report import run_child
 from kernel_library import expected_sm120_pcie_status, require_kernel_package
 from sglang_sm120.patches import PATCHES, patch_name
 from sglang_sm120.runtime import LAUNCH_PLAN_ENV
@@ -36,22 +35,19 @@ SM120 = dict(
 ALL_PATCHES = {patch_name(m) for m in PATCHES}
 # Without sgl-kernel-sm120 these two say "not needed (sgl-kernel-sm120 is not installed)".
 KERNEL_PATCHES = {"sm120_pcie_backend", "peer_check"}
-BEHAVIOUR_PATCHES = (
-    ALL_PATCHES - {"graph_stats"} - (set() if find_spec("sgl_kernel_sm120") else KERNEL_PATCHES)
-)
+BEHAVIOUR_PATCHES = ALL_PATCHES - {"graph_stats"}
+
+
+def expected_worker_statuses() -> dict[str, str]:
+    """Every behaviour patch applied in a worker on the PCIe profile (the kernel's two as the
+    installed package allows)."""
+    kernel_status = expected_sm120_pcie_status()
+    return {n: kernel_status if n in KERNEL_PATCHES else "applied" for n in BEHAVIOUR_PATCHES}
 
 
 def _run(phase: str, model_dir: Path, tps: tuple[int, ...], env: dict) -> tuple[dict, str]:
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIO), phase, str(model_dir), *map(str, tps)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("SCENARIO ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("SCENARIO ")), proc.stderr
+    argv = [sys.executable, str(SCENARIO), phase, str(model_dir), *map(str, tps)]
+    return run_child(argv, env, "SCENARIO")
 
 
 _scenarios: dict[str, dict] = {}
@@ -157,10 +153,9 @@ def plan_line(log: str, where: str, tp: int) -> str:
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"])
 def test_pcie_x8_profile_gets_planned_backends(model_dirs, arch):
     result = run_scenario(model_dirs[arch], 2, 4, 8)
-    assert {n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES} == {
-        **{name: "applied" for name in BEHAVIOUR_PATCHES},
-        "sm120_pcie_backend": expected_sm120_pcie_status(),
-    }
+    assert {
+        n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES
+    } == expected_worker_statuses()
     assert result["patches"]["graph_stats"] == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert result["fusion_backend"] == {"2": "trtllm", "4": None, "8": None}
     assert result["ar_fusion_applies"] == {"2": True, "4": False, "8": False}
@@ -204,7 +199,7 @@ def test_worker_follows_the_launchers_plan_reasons_included(model_dirs, tp):
 
 
 def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
-    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    require_kernel_package()
     from sglang_sm120.facts import load_profile
     from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
 
@@ -256,9 +251,9 @@ def test_worker_that_sees_one_gpu_decides_from_the_tp_group(model_dirs, tmp_path
         worker_env={"SGLANG_SM120_TOPOLOGY": str(one_gpu)},
     )
     assert result["fusion_backend"] == {"2": "trtllm"}
-    assert {n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES} == {
-        name: "applied" for name in BEHAVIOUR_PATCHES
-    }
+    assert {
+        n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES
+    } == expected_worker_statuses()
     assert result["resolve"]["trtllm"] == "trtllm"
     assert result["ar_fusion_applies"] == {"2": True}
     assert result["pcie_ipc_eligible"] == {"2": True}
@@ -292,7 +287,7 @@ def test_fp16_model_keeps_nccl_in_the_worker(model_dirs):
 
 
 def test_users_pcie_ipc_switch_wins_over_sm120_pcie_plain_allreduce(model_dirs):
-    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    require_kernel_package()
     result = run_scenario(
         model_dirs["KimiK25ForConditionalGeneration"],
         8,
@@ -306,7 +301,7 @@ def test_users_pcie_ipc_switch_wins_over_sm120_pcie_plain_allreduce(model_dirs):
 
 def test_hooks_on_one_target_compose_in_the_applied_chain(model_dirs, tmp_path):
     """graph_stats and sm120_pcie_backend both hook the fused point; both must run."""
-    pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not installed")
+    require_kernel_package()
     result = run_scenario(
         model_dirs["KimiK25ForConditionalGeneration"],
         2,

@@ -5,12 +5,11 @@ import what SGLang's own entry points import before ``load_plugins()``."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
+from child_report import run_child
 
 PROBE = """
 import json, sys, importlib
@@ -36,16 +35,7 @@ WORKER_MODULES = (
 def probe(entry_module: str) -> dict:
     env = {**os.environ, "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie"}
     env.pop("SGLANG_SM120_DISABLE", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, entry_module],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("PROBE "))
+    return run_child([sys.executable, "-c", PROBE, entry_module], env, "PROBE")[0]
 
 
 @pytest.mark.parametrize("entry", ["sglang.launch_server", "sglang.cli.serve"])
