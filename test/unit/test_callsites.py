@@ -94,10 +94,6 @@ def rehearsal(model_dirs, tmp_path_factory) -> dict:
     return result
 
 
-def _ranks(rehearsal: dict, variant: str) -> list[dict]:
-    return rehearsal[variant]
-
-
 # --- the launcher's plans, which the workers follow ----------------------------------------
 
 
@@ -109,17 +105,17 @@ def test_launcher_publishes_each_plan(rehearsal):
     assert plans["sm120_pcie"]["plain_allreduce"] == "sm120_pcie"
     assert plans["default"]["plain_allreduce"] == "pcie_ipc"
     for variant in ("sm120_pcie", "default"):
-        for rank in _ranks(rehearsal, variant):
+        for rank in rehearsal[variant]:
             assert rank["patches"]["sm120_pcie_backend"] == "applied"
             assert rank["patches"]["peer_check"] == "applied"
-    assert all(r["patches"]["graph_stats"] == "applied" for r in _ranks(rehearsal, "sm120_pcie"))
+    assert all(r["patches"]["graph_stats"] == "applied" for r in rehearsal["sm120_pcie"])
 
 
 # --- 2. workspace setup before capture (BaseRunner -> pre_initialize_workspaces) ------------
 
 
 def test_sm120_pcie_workspace_is_built_collectively_before_capture(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         setup = rank["workspace_setup"]
         creates = [c for c in setup["kernel"] if c["call"] == "create"]
         # One per fusion group (MoE and attention; both are the TP group at TP2), over both
@@ -136,7 +132,7 @@ def test_sm120_pcie_workspace_is_built_collectively_before_capture(rehearsal):
 
 
 def test_other_backend_workspace_setup_is_upstreams(rehearsal):
-    for rank in _ranks(rehearsal, "default"):
+    for rank in rehearsal["default"]:
         setup = rank["workspace_setup"]
         assert setup["kernel"] == []
         assert setup["trace"].count("ensure_workspace_initialized") == 2, setup["trace"]
@@ -147,7 +143,7 @@ def test_other_backend_workspace_setup_is_upstreams(rehearsal):
 
 
 def test_plain_allreduce_that_fits_goes_to_the_kernel(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         assert rank["tp"]["fi_workspace_hint"] == "attn_tp"  # tagged by upstream's bootstrap
         route = rank["plain_fits"]
         assert route["ops"] == FUSED, route
@@ -156,7 +152,7 @@ def test_plain_allreduce_that_fits_goes_to_the_kernel(rehearsal):
 
 
 def test_plain_allreduce_beyond_the_workspace_goes_to_upstreams_path(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         route = rank["plain_too_big"]
         assert route["ops"] == UNFUSED, route
         assert route["kernel"] == []
@@ -164,7 +160,7 @@ def test_plain_allreduce_beyond_the_workspace_goes_to_upstreams_path(rehearsal):
 
 def test_plain_allreduce_of_another_group_stays_off_the_workspace(rehearsal):
     """Defect 9: the world group has the TP group's size but other peers (group key)."""
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         route = rank["plain_other_group"]
         assert route["ops"] == UNFUSED, route
         assert route["kernel"] == []
@@ -173,7 +169,7 @@ def test_plain_allreduce_of_another_group_stays_off_the_workspace(rehearsal):
 
 
 def test_pcie_ipc_plan_keeps_plain_allreduce_off_the_flashinfer_path(rehearsal):
-    for rank in _ranks(rehearsal, "default"):
+    for rank in rehearsal["default"]:
         # Not tagged, although a fusion backend (trtllm) is on: upstream's order applies, and
         # GroupCoordinator built its PCIe-IPC communicator (eligible_group said yes).
         assert rank["tp"]["fi_workspace_hint"] is None
@@ -190,7 +186,7 @@ def test_pcie_ipc_plan_keeps_plain_allreduce_off_the_flashinfer_path(rehearsal):
 
 
 def test_fused_point_that_fits_runs_the_fused_kernel(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         route = rank["fused_fits"]
         assert route["kernel"] == [{"call": "fused", "shape": SMALL, "eps": 1e-6}]
         assert route["ops"] == []  # no separate all-reduce
@@ -198,7 +194,7 @@ def test_fused_point_that_fits_runs_the_fused_kernel(rehearsal):
 
 
 def test_fused_point_beyond_the_workspace_takes_upstreams_unfused_path(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         route = rank["fused_too_big"]
         assert route["kernel"] == []
         assert route["ops"] == UNFUSED, route  # all-reduce, then add + norm
@@ -206,7 +202,7 @@ def test_fused_point_beyond_the_workspace_takes_upstreams_unfused_path(rehearsal
 
 
 def test_fused_point_of_another_backend_is_upstreams(rehearsal):
-    for rank in _ranks(rehearsal, "default"):
+    for rank in rehearsal["default"]:
         route = rank["fused_fits"]
         assert route["kernel"] == []
         assert route["ops"] == ["sglang::flashinfer_allreduce_residual_rmsnorm"], route
@@ -216,7 +212,7 @@ def test_fused_point_of_another_backend_is_upstreams(rehearsal):
 
 
 def test_peer_timeout_stops_the_step_before_its_output_is_sent(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         assert rank["stream_ok"] == {"raised": None, "sent": ["BatchTokenIDOutput"]}
         after = rank["stream_after_timeout"]
         assert after["raised"].startswith("sgl_kernel_sm120.errors.CommTimeoutError: rank ")
@@ -224,13 +220,13 @@ def test_peer_timeout_stops_the_step_before_its_output_is_sent(rehearsal):
 
 
 def test_without_our_workspace_streaming_is_unchanged(rehearsal):
-    for rank in _ranks(rehearsal, "default"):
+    for rank in rehearsal["default"]:
         for key in ("stream_ok", "stream_after_timeout"):
             assert rank[key] == {"raised": None, "sent": ["BatchTokenIDOutput"]}
 
 
 def test_stats_file_records_the_peer_error(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         assert rank["stats"]["peer_error"].startswith(f"rank {rank['rank']}/2: timed out")
 
 
@@ -239,7 +235,7 @@ def test_stats_file_records_the_peer_error(rehearsal):
 
 def test_seams_answer_as_upstream_with_nothing_published(rehearsal):
     for variant in ("sm120_pcie", "default"):
-        for rank in _ranks(rehearsal, variant):
+        for rank in rehearsal[variant]:
             rows = rank["unpublished"]
             assert isinstance(rows, list) and len(rows) == 4, rows
             for row in rows:
@@ -250,13 +246,13 @@ def test_seams_answer_as_upstream_with_nothing_published(rehearsal):
 def test_eligible_group_stays_a_pure_function_of_its_arguments(rehearsal):
     # PCIe-IPC on for the TP group is the plan's decision on purpose; off under sm120_pcie.
     for variant, answer in (("default", True), ("sm120_pcie", False)):
-        for rank in _ranks(rehearsal, variant):
+        for rank in rehearsal[variant]:
             assert rank["invariants"]["eligible_group"] == [answer, answer]
             assert rank["invariants"]["eligible_group_context_reads"] == []
 
 
 def test_upstream_guards_still_refuse_with_our_workspace_present(rehearsal):
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         answers = rank["invariants"]
         assert answers["fits"] is True
         refused = ("ndim3", "non_contiguous", "float32", "over_workspace")
@@ -266,7 +262,7 @@ def test_upstream_guards_still_refuse_with_our_workspace_present(rehearsal):
 def test_fused_calls_in_capture_count_only_kernel_results(rehearsal):
     """Defect 11: of a fitting and a too-large fused point during a verify-graph capture,
     only the one our kernel served is counted."""
-    for rank in _ranks(rehearsal, "sm120_pcie"):
+    for rank in rehearsal["sm120_pcie"]:
         assert rank["fused_chain"] == ["count_fused_in_capture", "fused_by_sm120_pcie"]
         assert rank["capture"]["kernel"] == [{"call": "fused", "shape": SMALL, "eps": 1e-6}]
         assert rank["stats"]["graph_captures"] == {"TARGET_VERIFY": 1}
