@@ -25,7 +25,7 @@ ROLES = ("launcher", "scheduler")
 
 
 def not_needed(cap: Capability) -> str | None:
-    return None  # every process that plans or patches says so
+    return None if cap.sm12x else cap.reasons[0]  # elsewhere nothing is planned or patched
 
 
 def announce_after_logging_setup(result, *args, **kwargs) -> None:
