@@ -59,18 +59,12 @@ def declared_contract(modules) -> tuple[Symbol, ...]:
     return tuple(s for m in modules for s in m.CONTRACT) + _REGISTRY_CONTRACT
 
 
-def _set_all(status: str) -> None:
+def _record(status: str, modules=None) -> None:
+    """Give ``modules`` (default: every patch) the same status."""
     from sglang_sm120.patches import PATCHES, patch_name
 
-    for module in PATCHES:
+    for module in PATCHES if modules is None else modules:
         PATCH_STATUS[patch_name(module)] = status
-
-
-def _refuse(modules, reason: str) -> None:
-    from sglang_sm120.patches import patch_name
-
-    for module in modules:
-        PATCH_STATUS[patch_name(module)] = f"refused ({reason})"
 
 
 def _capability_for(role: str):
@@ -87,7 +81,7 @@ def register_patches(role: str) -> dict[str, str]:
     if role == "launcher":  # it publishes its own plan; one inherited from elsewhere is stale
         os.environ.pop(LAUNCH_PLAN_ENV, None)
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
-        _set_all(f"disabled ({DISABLE_ENV}=1)")
+        _record(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)
     cap = _capability_for(role)
     needed = []
@@ -108,7 +102,7 @@ def register_patches(role: str) -> dict[str, str]:
             f"sglang {installed} installed, sglang-sm120 {__version__} supports {SGLANG_PIN} only"
         )
         log_once(logging.ERROR, f"sglang-sm120: applying nothing: {reason}")
-        _refuse(needed, reason)
+        _record(f"refused ({reason})", needed)
         return dict(PATCH_STATUS)
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -118,7 +112,7 @@ def register_patches(role: str) -> dict[str, str]:
         log_once(
             logging.ERROR, f"sglang-sm120 {__version__}: applying nothing: " + "; ".join(problems)
         )
-        _refuse(needed, reason)
+        _record(f"refused ({reason})", needed)
         return dict(PATCH_STATUS)
     for module in needed:
         for target, hook, hook_type in module.HOOKS:
@@ -187,7 +181,7 @@ def register() -> None:
         register_patches(process_role())
     except TopologyError as exc:  # a bad SGLANG_SM120_TOPOLOGY: one clear line, no traceback
         logger.error("sglang-sm120: applying nothing: %s", exc)
-        _set_all(f"refused ({exc})")
+        _record(f"refused ({exc})")
     except Exception:
         logger.exception("sglang-sm120: plugin failed to load; SGLang runs unpatched")
-        _set_all("refused (plugin error; see the log)")
+        _record("refused (plugin error; see the log)")

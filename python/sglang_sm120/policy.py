@@ -20,8 +20,9 @@ Rules (the README's table; test/unit/test_policy.py checks each row):
 * The user's explicit choices win (``--enforce-disable-flashinfer-allreduce-fusion``, an explicit
   backend, ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``, also over ``sm120_pcie``'s plain all-reduce)
   unless the hardware cannot run them: then the choice is refused with its reason and NCCL is used.
-* The TP group's GPUs are the ones SGLang gives its ranks: ``--base-gpu-id`` + rank x
-  ``--gpu-id-step`` (``Deployment.gpu_ids``), not simply the first ``tp`` visible ones.
+* The GPUs judged are the ones SGLang gives this node's ranks (``Deployment.gpu_ids``:
+  ``--base-gpu-id``, ``--gpu-id-step``, PP stages, DP replicas), not simply the first ``tp``
+  visible ones.
 """
 
 from __future__ import annotations

@@ -4,17 +4,17 @@ follows, the patch statuses it records, and its log lines.
 SGLang runs the plugin in several processes (UPSTREAM.md section 7):
 
 - the launcher (``launch_server``, ``sglang serve``, an ``Engine``) resolves the server args.
-  ``plan_for_view`` plans there from the real server args, for the GPUs the TP group will use
-  (``--base-gpu-id``, ``--gpu-id-step``), and publishes the plan in ``SGLANG_SM120_LAUNCH_PLAN``,
-  which every process it spawns inherits;
+  ``plan_for_view`` plans there from the real server args, for every GPU the node's ranks will
+  use (``--base-gpu-id``, ``--gpu-id-step``, PP stages, DP replicas), and publishes the plan in
+  ``SGLANG_SM120_LAUNCH_PLAN``, which every process it spawns inherits;
 - the TP workers (scheduler processes) follow that plan (``worker_plan``): they cannot re-derive
   it, since the resolved server args no longer say what the user asked for, and a worker may see
   one GPU only (``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1``). Without a published plan the worker
   patches hand every call to upstream unchanged, and say so once.
 
-Log lines: ``load_plugins()`` runs before SGLang configures logging (launcher, workers), so INFO
-lines wait in ``announce`` until ``logging_configured()`` is called by the ``status_line`` patch,
-right after SGLang's own ``configure_logger``.
+Log lines: ``load_plugins()`` runs before SGLang configures logging (launcher, workers), so
+``log_once`` holds INFO lines until ``logging_configured()`` is called by the ``status_line``
+patch, right after SGLang's own ``configure_logger``.
 """
 
 from __future__ import annotations
@@ -196,26 +196,19 @@ def deployment_from_view(view: Any) -> Deployment:
     return with_tuning(deployment, model_config.hidden_size, dtype)
 
 
-def plan_for(deployment: Deployment, where: str) -> AllReducePlan:
-    """Plan with this process's facts and log it once."""
-    plan = plan_allreduce(current_facts(), deployment, fusion_archs())
-    _last_plan[:] = [plan]
-    if plan.managed:
-        log_once(
-            logging.INFO, f"sglang-sm120 plan ({where}, tp={deployment.tp_size}): {plan.summary()}"
-        )
-    return plan
-
-
 def last_plan() -> AllReducePlan | None:
     """The most recent plan this process computed or received (for reports), or None."""
     return _last_plan[0] if _last_plan else None
 
 
 def plan_for_view(view: Any) -> AllReducePlan:
-    """The launcher's plan, published to the workers it spawns."""
+    """The launcher's plan, logged once and published to the workers it spawns."""
     deployment = deployment_from_view(view)
-    plan = plan_for(deployment, "server args")
+    plan = plan_allreduce(current_facts(), deployment, fusion_archs())
+    _last_plan[:] = [plan]
+    if plan.managed:
+        tp = deployment.tp_size
+        log_once(logging.INFO, f"sglang-sm120 plan (server args, tp={tp}): {plan.summary()}")
     capability = hardware_capability(current_facts(), deployment.used_gpu_ids())
     os.environ[LAUNCH_PLAN_ENV] = json.dumps(
         {
