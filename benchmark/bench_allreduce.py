@@ -7,7 +7,8 @@ For each world size and tokens in {1, 2, ..., 2048} x hidden (default 7168), bf1
                    with one block per row, whenever a block would own several rows
   ours unfused     ours plain + a separate add+RMSNorm kernel (what the fusion saves)
   nccl + norm      torch.distributed all_reduce (NCCL) + the same add+RMSNorm kernel
-  fi trtllm fused  FlashInfer allreduce_fusion(kARResidualRMSNorm), trtllm backend
+  fi trtllm fused  FlashInfer allreduce_fusion(kARResidualRMSNorm), trtllm backend, with
+                   launch_with_pdl=True as SGLang 0.5.23 calls it
   fi pcie-ipc      FlashInfer PcieIpcAllReduceWorkspace.all_reduce (plain), after its own
                    tune([hidden]) on this host
   fi pcie + norm   the same + the separate add+RMSNorm kernel

@@ -1,14 +1,23 @@
 """One rank of a 2+-process all-reduce run, for Nsight Compute: ours and FlashInfer's kernels at
 one size, each op's calls inside an NVTX range named after it.
 
-Profile only one rank, and start the others without the profiler: Nsight Compute serialises
-and replays what it profiles, and a rank that waits for a profiled peer would wait for the
-profiler. The profiled rank is then always the late one, so its kernel times are what a call
-costs once every peer's data has arrived (the rest of a graph-timed call is waiting).
+Profile only rank 0, and start the others without the profiler. For every profiled call the
+other ranks launch first and rank 0 waits (a gloo barrier, then 20 ms) until their data has
+landed in its buffers, so rank 0 is the late rank: the profile shows what a call costs on the
+rank that waits least (launch, state, push, reduce, epilogue).
+
+Collect only metrics that fit in ONE replay pass. Between passes Nsight Compute restores every
+allocation the process can reach, the peers' IPC-mapped workspaces included: a peer that
+finished its call meanwhile has its call state rolled back, and the next call hangs (seen on
+2x H200 with the default sections). One pass per invocation works:
 
     export MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 WORLD_SIZE=2
     RANK=1 python benchmark/profile_allreduce.py --tokens 4 &
-    RANK=0 ncu --nvtx --nvtx-include timed_ours_fused/ -o ours \\
+    RANK=0 ncu --nvtx --nvtx-include timed_ours_plain/ --nvtx-include timed_ours_fused/ \
+        --nvtx-include timed_fi_trtllm/ --clock-control none --cache-control none --csv \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__cycles_active.max,\
+smsp__warp_issue_stalled_no_instruction_per_warp_active.pct,\
+smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct \
         python benchmark/profile_allreduce.py --tokens 4
 
 With --timeline (no profiler, every rank started the same way) it instead replays a CUDA graph
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -76,13 +86,19 @@ def main() -> None:
             ops[name]()
         torch.cuda.synchronize()
         dist.barrier()
-        torch.cuda.nvtx.range_push(f"timed_{name}")
         for _ in range(args.calls):
-            ops[name]()
-        torch.cuda.nvtx.range_pop()
-        torch.cuda.synchronize()
+            if rank != 0:
+                ops[name]()
+                dist.barrier()  # launched
+            else:
+                dist.barrier()
+                time.sleep(0.02)  # the peers' data has landed here
+                torch.cuda.nvtx.range_push(f"timed_{name}")
+                ops[name]()
+                torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            dist.barrier()  # no rank starts the next call before rank 0's passes are done
         ws.check_error()
-        dist.barrier()
     ws.close()
     dist.destroy_process_group()
     print(f"rank {rank}: profiled {args.ops} at {tokens} x {hidden}", flush=True)

@@ -246,7 +246,7 @@ def flashinfer_trtllm_fused(
             input=x,
             workspace=fws,
             pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
-            launch_with_pdl=False,
+            launch_with_pdl=True,  # as SGLang 0.5.23 calls it (flashinfer_comm_fusion.py)
             residual_out=res_out,
             norm_out=norm_out,
             residual_in=residual,

@@ -53,7 +53,6 @@ constexpr int kStateDirty = 2;  // 3 words: vectors per peer slot written into e
 
 struct Shared {
   int abort;
-  uint32_t state[SK_STATE_WORDS];
   float red[kWarps];
 };
 
@@ -81,10 +80,11 @@ __device__ __forceinline__ uint32_t ld_volatile(const uint32_t* p) {
 
 __device__ __forceinline__ uint4 ld_volatile_v4(const uint4* p) {
   uint4 v;
+  // No "memory" clobber: ordinary loads (residual, weight, own input) may be scheduled before
+  // the poll, so their latency overlaps it. asm volatile keeps every poll a fresh load.
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
+               : "l"(p));
   return v;
 }
 
@@ -287,6 +287,8 @@ __device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int pari
 // rows blockIdx.x, blockIdx.x + gridDim.x, ... `sum_of(v, acc)` yields the all-reduced fp32
 // values of vector v (false: a peer timed out). The variance is taken on the fp32 value before
 // rounding, as SGLang's RMSNorm does. Returns false when the block gave up.
+// Each thread loads the residual and weight of all its vectors of the row before the first
+// sum_of: one memory latency for the row instead of a chain of dependent ones per vector.
 template <typename T, typename SumOf>
 __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
   const int row_vecs = p.hidden / kVecElems;
@@ -296,16 +298,25 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
   uint4* output = static_cast<uint4*>(p.output);
   const int t = threadIdx.x;
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t base = static_cast<int64_t>(row) * row_vecs;
+    uint4 res[kMaxVecPerThread], w[kMaxVecPerThread];
+#pragma unroll
+    for (int k = 0; k < kMaxVecPerThread; ++k) {
+      const int c = t + k * SK_THREADS;
+      if (c < row_vecs) {
+        res[k] = __ldg(residual_in + base + c);
+        w[k] = __ldg(weight + c);
+      }
+    }
     float val[kMaxVecPerThread][8];
     float sum_sq = 0.f;
 #pragma unroll
     for (int k = 0; k < kMaxVecPerThread; ++k) {
       const int c = t + k * SK_THREADS;
       if (c < row_vecs) {
-        const int64_t v = static_cast<int64_t>(row) * row_vecs + c;
-        sum_of(v, val[k]);
-        Vec8<T>::add_to(val[k], residual_in[v]);
-        residual_out[v] = Vec8<T>::pack(val[k]);
+        sum_of(base + c, val[k]);
+        Vec8<T>::add_to(val[k], res[k]);
+        residual_out[base + c] = Vec8<T>::pack(val[k]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) sum_sq += val[k][i] * val[k][i];
       }
@@ -318,12 +329,12 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
     for (int k = 0; k < kMaxVecPerThread; ++k) {
       const int c = t + k * SK_THREADS;
       if (c < row_vecs) {
-        float w[8];
-        zero(w);
-        Vec8<T>::add_to(w, weight[c]);
+        float wf[8];
+        zero(wf);
+        Vec8<T>::add_to(wf, w[k]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) val[k][i] = val[k][i] * scale * w[i];
-        output[static_cast<int64_t>(row) * row_vecs + c] = Vec8<T>::pack(val[k]);
+        for (int i = 0; i < 8; ++i) val[k][i] = val[k][i] * scale * wf[i];
+        output[base + c] = Vec8<T>::pack(val[k]);
       }
     }
   }
@@ -382,10 +393,21 @@ __device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh
   return ok;
 }
 
+// This block's share [v0, v1) of a one-shot message of nvec vectors (the same partition on
+// every rank: rank r's block b pushes exactly what every peer's block b polls); returns the
+// share size every block but the last has.
+__device__ __forceinline__ int64_t oneshot_share(int64_t nvec, int64_t& v0, int64_t& v1) {
+  const int64_t per_block = (nvec + gridDim.x - 1) / gridDim.x;
+  v0 = min(nvec, static_cast<int64_t>(blockIdx.x) * per_block);
+  v1 = min(nvec, v0 + per_block);
+  return per_block;
+}
+
 // One-shot, Lamport-style (see the top of this file). `state` is this call's state; the
 // one-shot counter and dirty sizes in it are advanced here for the copies the kernel writes.
-template <typename T>
-__device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS]) {
+template <typename T, bool kFused, bool kPreloaded>
+__device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS],
+                            const uint4& first_input) {
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
   const uint32_t epoch = state[kStateEpoch];
@@ -399,40 +421,64 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
   const uint4* input = static_cast<const uint4*>(p.input);
 
   // Push this block's share (by bytes, like the plain reduction below) into every peer's
-  // buffer, peer rank+1 first, so each rank starts on a different peer.
-  const int64_t per_block = (nvec + nblocks - 1) / nblocks;
-  const int64_t v0 = min(nvec, block * per_block);
-  const int64_t v1 = min(nvec, v0 + per_block);
-  for (int s = 1; s < world; ++s) {
-    uint4* slot = static_cast<uint4*>(p.lamport[(rank + s) % world]) + current * buffer_vecs +
-                  rank * slot_vecs;
-    for (int64_t v = v0 + t; v < v1; v += SK_THREADS) slot[v] = sendable(input[v]);
+  // buffer, peer rank+1 first, so each rank starts on a different peer. Each vector is loaded
+  // once (the first one before the call state was read, see all_reduce_kernel).
+  int64_t v0, v1;
+  const int64_t per_block = oneshot_share(nvec, v0, v1);
+  auto push = [&](int64_t v, const uint4& value) {
+    const uint4 data = sendable(value);
+    for (int s = 1; s < world; ++s) {
+      uint4* slot = static_cast<uint4*>(p.lamport[(rank + s) % world]) + current * buffer_vecs +
+                    rank * slot_vecs;
+      slot[v] = data;
+    }
+  };
+  int64_t v = v0 + t;
+  if (kPreloaded && v < v1) {
+    push(v, first_input);
+    v += SK_THREADS;
   }
+  for (; v < v1; v += SK_THREADS) push(v, input[v]);
+  asm volatile("" ::: "memory");  // the pushes stay before every poll below
   stamp(p, 2);
 
   // Clear what peers wrote into the previous buffer (read in the previous call) while their
-  // data of this call is on its way. The negative control keeps one buffer and never clears.
+  // data of this call is on its way. When a block has fewer vectors than threads (verify
+  // sizes), the threads without a vector clear, so the pushing threads go straight to their
+  // polls; otherwise every thread clears after its pushes. The clearer count is the same in
+  // every block, so the blocks' shares tile [0, dirty). The negative control keeps one buffer
+  // and never clears.
   uint4* own = static_cast<uint4*>(p.lamport[rank]);
+  const int pushers = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
+  const int clearers = pushers < SK_THREADS ? SK_THREADS - pushers : SK_THREADS;
+  const int clearer = pushers < SK_THREADS ? t - pushers : t;  // < 0: this thread pushes only
   if (!single) {
-    const int64_t dirty = state[kStateDirty + previous];
+    // Constant indices only (a runtime index would put `state` in local memory).
+    int64_t dirty = 0;
+#pragma unroll
+    for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) dirty = (b == previous) ? state[kStateDirty + b] : dirty;
     const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
     for (int src = 0; src < world; ++src) {
       if (src == rank) continue;  // nobody writes this rank's own slot
       uint4* prev = own + previous * buffer_vecs + src * slot_vecs;
-      for (int64_t i = static_cast<int64_t>(block) * SK_THREADS + t; i < dirty;
-           i += static_cast<int64_t>(nblocks) * SK_THREADS) {
+      if (clearer < 0) continue;
+      for (int64_t i = static_cast<int64_t>(block) * clearers + clearer; i < dirty;
+           i += static_cast<int64_t>(nblocks) * clearers) {
         prev[i] = empty;
       }
     }
-    state[kStateDirty + previous] = 0;
-    state[kStateDirty + current] = static_cast<uint32_t>(nvec);
+#pragma unroll
+    for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) {
+      if (b == previous) state[kStateDirty + b] = 0;
+      if (b == current) state[kStateDirty + b] = static_cast<uint32_t>(nvec);
+    }
     state[kStateOneshotCalls] = calls + 1;
   }
   stamp(p, 3);
   debug_delay(p);
 
   const uint4* slots = own + current * buffer_vecs;
-  if (!p.fused) {
+  if constexpr (!kFused) {
     uint4* output = static_cast<uint4*>(p.output);
     for (int64_t v = v0 + t; v < v1; v += SK_THREADS) {
       float acc[8];
@@ -450,7 +496,7 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
 }
 
 // Two-shot: reduce-scatter (rank j reduces chunk j), then all-gather of the reduced chunks.
-template <typename T>
+template <typename T, bool kFused>
 __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch, int parity) {
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
@@ -485,7 +531,7 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
   const int64_t start = rank * chunk;
   const uint4* slots = static_cast<const uint4*>(p.push[rank]) + static_cast<int64_t>(parity) * world * slot_vecs;
   uint4* gather_local = static_cast<uint4*>(p.gather[rank]);
-  uint4* reduced = p.fused ? gather_local : static_cast<uint4*>(p.output);
+  uint4* reduced = kFused ? gather_local : static_cast<uint4*>(p.output);
   for (int64_t v = lo + t; v < hi; v += SK_THREADS) {
     float acc[8];
     sum_ranks<T>(acc, slots, slot_vecs, v - start, input, v, world, rank);
@@ -495,10 +541,10 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
     uint4* gather = static_cast<uint4*>(p.gather[(rank + s) % world]);
     for (int64_t v = lo + t; v < hi; v += SK_THREADS) gather[v] = reduced[v];  // own stores
   }
-  signal(p, kKindGather, parity, epoch, block, p.fused != 0);
+  signal(p, kKindGather, parity, epoch, block, kFused);
   stamp(p, 4);
 
-  if (!p.fused) {
+  if constexpr (!kFused) {
     if (!wait_for(p, sh, kKindGather, parity, epoch, block, 1, false)) return;
     uint4* output = static_cast<uint4*>(p.output);
     for (int s = 1; s < world; ++s) {
@@ -517,76 +563,108 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
   }
 }
 
-template <typename T, int kVariant>
-__global__ void __launch_bounds__(SK_THREADS) all_reduce_kernel(const SkLaunchParams p) {
+// Residual add + RMSNorm of `input` (already reduced): the second launch of a split fused
+// call. No peers, no call state: any grid size.
+template <typename T>
+__global__ void __launch_bounds__(SK_THREADS) add_rmsnorm_kernel(const SkLaunchParams p) {
   __shared__ Shared sh;
-  if (p.fused == SK_FUSED_NORM_ONLY) {  // no peers, no call state: any grid size
-    if (threadIdx.x == 0) sh.abort = 0;
-    __syncthreads();
-    const uint4* reduced = static_cast<const uint4*>(p.input);
-    add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
-      zero(acc);
-      Vec8<T>::add_to(acc, reduced[v]);
-      return true;
-    });
-    return;
-  }
+  if (threadIdx.x == 0) sh.abort = 0;
+  __syncthreads();
+  const uint4* reduced = static_cast<const uint4*>(p.input);
+  add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
+    zero(acc);
+    Vec8<T>::add_to(acc, reduced[v]);
+    return true;
+  });
+}
+
+// One kernel per (dtype, variant, fused): each holds only the code its calls run (the plain
+// one-shot kernel is 2.1k SASS instructions; one kernel with every path was 7.4k). Nsight
+// Compute at 4 tokens, TP2 H200, warm calls: instruction-fetch stalls are 6% of the plain
+// kernel's active warp cycles (FlashInfer's fused kernel: 1.6%); the split did not move the
+// graph-timed call time beyond run-to-run noise (README, "Measured").
+template <typename T, int kVariant, bool kFused>
+__global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunchParams p) {
+  __shared__ Shared sh;
   uint32_t* ctl = p.control;
   uint32_t* states = ctl + SK_STATE_OFFSET_WORDS;
   stamp(p, 0);
+  // Every thread loads this block's call state itself (the same two 16-byte words for the
+  // whole block: broadcast loads), in parallel with the error word; no shared-memory staging.
+  // Plain one-shot: the first input vector is loaded together with the state (it depends on
+  // neither). Not in the fused kernel: there the 4 registers it holds would spill.
+  uint4 first_input = make_uint4(0, 0, 0, 0);
+  constexpr bool preload = kVariant == SK_VARIANT_ONESHOT && !kFused;
+  if constexpr (preload) {
+    int64_t v0, v1;
+    oneshot_share(p.numel / kVecElems, v0, v1);
+    if (v0 + threadIdx.x < v1) first_input = static_cast<const uint4*>(p.input)[v0 + threadIdx.x];
+  }
+  const uint4* my_state = reinterpret_cast<const uint4*>(states + blockIdx.x * SK_STATE_WORDS);
+  const uint4 s0 = my_state[0], s1 = my_state[1];
   if (threadIdx.x == 0) {
     sh.abort = ld_volatile(ctl + SK_CTRL_ERR_CODE) != 0u;  // a failed workspace stays failed
   }
-  if (threadIdx.x < SK_STATE_WORDS) {
-    sh.state[threadIdx.x] = states[blockIdx.x * SK_STATE_WORDS + threadIdx.x];
-  }
-  __syncthreads();
-  uint32_t state[SK_STATE_WORDS];
-#pragma unroll
-  for (int i = 0; i < SK_STATE_WORDS; ++i) state[i] = sh.state[i];
+  uint32_t state[SK_STATE_WORDS] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+  static_assert(SK_STATE_WORDS == 8, "the state is loaded as two 16-byte vectors");
   state[kStateEpoch] += 1u;
+  __syncthreads();
   stamp(p, 1);
   if (!sh.abort) {
-    if (kVariant == SK_VARIANT_ONESHOT) {
-      run_oneshot<T>(p, sh, state);
+    if constexpr (kVariant == SK_VARIANT_ONESHOT) {
+      run_oneshot<T, kFused, preload>(p, sh, state, first_input);
     } else {
       const int parity = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER)
                              ? 0
                              : static_cast<int>(state[kStateEpoch] & 1u);
-      run_twoshot<T>(p, sh, state[kStateEpoch], parity);
+      run_twoshot<T, kFused>(p, sh, state[kStateEpoch], parity);
     }
   }
   // Next call's state, into every copy this block index stands for (j = blockIdx.x mod grid):
-  // copies no other block of this launch reads.
-  if (threadIdx.x == 0) {
-    for (int j = blockIdx.x; j < SK_MAX_BLOCKS; j += gridDim.x) {
+  // copies no other block of this launch reads. One word per thread.
+  const int copy = blockIdx.x + (threadIdx.x / SK_STATE_WORDS) * gridDim.x;
+  const int word = threadIdx.x % SK_STATE_WORDS;
+  if (copy < SK_MAX_BLOCKS) {
+    uint32_t value = 0;
 #pragma unroll
-      for (int i = 0; i < SK_STATE_WORDS; ++i) states[j * SK_STATE_WORDS + i] = state[i];
-    }
+    for (int i = 0; i < SK_STATE_WORDS; ++i) value = (i == word) ? state[i] : value;
+    states[copy * SK_STATE_WORDS + word] = value;
   }
   stamp(p, 5);
 }
 
 using KernelFn = void (*)(const SkLaunchParams);
 
-KernelFn kernel_for(int dtype, int variant) {
-  if (dtype == SK_DTYPE_BF16) {
-    return variant == SK_VARIANT_ONESHOT ? all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT>
-                                         : all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT>;
+template <typename T>
+KernelFn kernel_for_type(int variant, int fused) {
+  if (fused == SK_FUSED_NORM_ONLY) return add_rmsnorm_kernel<T>;
+  if (variant == SK_VARIANT_ONESHOT) {
+    return fused ? all_reduce_kernel<T, SK_VARIANT_ONESHOT, true>
+                 : all_reduce_kernel<T, SK_VARIANT_ONESHOT, false>;
   }
-  if (dtype == SK_DTYPE_FP16) {
-    return variant == SK_VARIANT_ONESHOT ? all_reduce_kernel<__half, SK_VARIANT_ONESHOT>
-                                         : all_reduce_kernel<__half, SK_VARIANT_TWOSHOT>;
-  }
+  return fused ? all_reduce_kernel<T, SK_VARIANT_TWOSHOT, true>
+               : all_reduce_kernel<T, SK_VARIANT_TWOSHOT, false>;
+}
+
+KernelFn kernel_for(int dtype, int variant, int fused) {
+  if (dtype == SK_DTYPE_BF16) return kernel_for_type<__nv_bfloat16>(variant, fused);
+  if (dtype == SK_DTYPE_FP16) return kernel_for_type<__half>(variant, fused);
   return nullptr;
 }
 
-const KernelFn kAllKernels[] = {
-    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT>,
-    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT>,
-    all_reduce_kernel<__half, SK_VARIANT_ONESHOT>,
-    all_reduce_kernel<__half, SK_VARIANT_TWOSHOT>,
+// Every kernel that spins on peers (the occupancy bound applies to these).
+const KernelFn kPeerKernels[] = {
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, false>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, true>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT, false>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT, true>,
+    all_reduce_kernel<__half, SK_VARIANT_ONESHOT, false>,
+    all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true>,
+    all_reduce_kernel<__half, SK_VARIANT_TWOSHOT, false>,
+    all_reduce_kernel<__half, SK_VARIANT_TWOSHOT, true>,
 };
+
+const KernelFn kNormKernels[] = {add_rmsnorm_kernel<__nv_bfloat16>, add_rmsnorm_kernel<__half>};
 
 // Runs `body` with `device` current and restores the caller's device (torch's runtime shares
 // the thread's current context with ours).
@@ -638,7 +716,7 @@ SK_EXPORT int sk_max_resident_blocks(int device, int* blocks) {
     cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
     int fewest = 1 << 30;
-    for (KernelFn fn : kAllKernels) {
+    for (KernelFn fn : kPeerKernels) {
       int per_sm = 0;
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, SK_THREADS, 0);
       if (err != cudaSuccess) return err;
@@ -714,10 +792,13 @@ SK_EXPORT int sk_ipc_close_handle(int device, void* ptr) {
 
 SK_EXPORT int sk_preload(int device) {
   return on_device(device, [&]() -> int {
-    for (KernelFn fn : kAllKernels) {
-      cudaFuncAttributes attr;
-      const cudaError_t err = cudaFuncGetAttributes(&attr, fn);
-      if (err != cudaSuccess) return err;
+    for (const KernelFn* list : {kPeerKernels, kNormKernels}) {
+      const int count = list == kPeerKernels ? 8 : 2;
+      for (int i = 0; i < count; ++i) {
+        cudaFuncAttributes attr;
+        const cudaError_t err = cudaFuncGetAttributes(&attr, list[i]);
+        if (err != cudaSuccess) return err;
+      }
     }
     return cudaSuccess;
   });
@@ -725,7 +806,7 @@ SK_EXPORT int sk_preload(int device) {
 
 SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) {
   const SkLaunchParams& p = *params;
-  const KernelFn fn = kernel_for(p.dtype, p.variant);
+  const KernelFn fn = kernel_for(p.dtype, p.variant, p.fused);
   const int max_blocks = p.fused == SK_FUSED_NORM_ONLY ? SK_MAX_NORM_BLOCKS : SK_MAX_BLOCKS;
   if (fn == nullptr || p.world_size < 1 || p.world_size > SK_MAX_RANKS || p.rank < 0 ||
       p.rank >= p.world_size || p.blocks < 1 || p.blocks > max_blocks ||
