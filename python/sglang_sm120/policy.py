@@ -100,6 +100,11 @@ class Capability:
         )
 
 
+# Tuning-table routes served by sgl-kernel-sm120: its fused kernel, or its all-reduce followed by
+# SGLang's own add + RMSNorm (where the table found that faster than the fused kernel).
+SM120_PCIE_ROUTES = ("sm120_pcie", "sm120_pcie_unfused")
+
+
 @dataclass(frozen=True)
 class AllReducePlan:
     """What one server launch uses; ``reasons`` explains every field."""
@@ -110,15 +115,25 @@ class AllReducePlan:
     reasons: tuple[str, ...] = field(default=())
     routes: tuple[tuple[int, str], ...] = field(default=())
 
-    def uses_sm120_pcie_at(self, tokens: int) -> bool:
-        """Whether the sm120_pcie fused kernel serves ``tokens`` rows: everywhere when chosen
-        without a table; with a table, where the nearest measured size at or above won."""
+    def _sm120_pcie_route(self, tokens: int) -> str | None:
+        """The backend that serves ``tokens`` rows when sm120_pcie is the fusion backend:
+        sm120_pcie everywhere without a table; with a table, the winner of the nearest measured
+        size at or above (None above the largest)."""
         if self.fusion_backend != "sm120_pcie":
-            return False
+            return None
         if not self.routes:
-            return True
-        bucket = next((b for t, b in self.routes if t >= tokens), None)
-        return bucket == "sm120_pcie"
+            return "sm120_pcie"
+        return next((b for t, b in self.routes if t >= tokens), None)
+
+    def uses_sm120_pcie_at(self, tokens: int) -> bool:
+        """Whether sgl-kernel-sm120's fused kernel serves a fused point of ``tokens`` rows."""
+        return self._sm120_pcie_route(tokens) == "sm120_pcie"
+
+    def reduces_with_sm120_pcie_at(self, tokens: int) -> bool:
+        """Whether sgl-kernel-sm120's all-reduce serves ``tokens`` rows: where its fused kernel
+        won, and where its all-reduce + a separate norm won (there the fused point is declined
+        and the all-reduce SGLang then makes comes here)."""
+        return self._sm120_pcie_route(tokens) in SM120_PCIE_ROUTES
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -244,11 +259,17 @@ def _from_tuning(
     bad = excluded(table)
     note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
     routes = tuple(best.items())
-    if "sm120_pcie" in best.values() and _sm120_pcie_blocker(facts, d) is None:
-        served = [t for t, b in routes if b == "sm120_pcie"]
+    if set(SM120_PCIE_ROUTES) & set(best.values()) and _sm120_pcie_blocker(facts, d) is None:
+        fused = [t for t, b in routes if b == "sm120_pcie"]
+        unfused = [t for t, b in routes if b == "sm120_pcie_unfused"]
+        how = [f"fused at {fused}"] if fused else []
+        how += [f"unfused at {unfused} (its all-reduce + SGLang's norm)"] if unfused else []
         return (
             "sm120_pcie",
-            (f"fusion sm120_pcie: fastest correct in the tuning table at {served} tokens{note}"),
+            (
+                "fusion sm120_pcie: sgl-kernel-sm120 fastest correct in the tuning table, "
+                f"{' and '.join(how)} tokens{note}"
+            ),
             routes,
         )
     if best and set(best.values()) == {"trtllm"}:

@@ -11,6 +11,8 @@ For each token count a decode/verify step can have and the model's hidden size, 
                  kept its seed; the note in the table says what it changed)
     trtllm       FlashInfer allreduce_fusion (kARResidualRMSNorm, trtllm backend)
     sm120_pcie   sgl-kernel-sm120's fused kernel
+    sm120_pcie_unfused  sgl-kernel-sm120's all-reduce + the same add+RMSNorm kernel (the plan
+                 routes a size here when this beats the fused kernel)
 
 Ranks are one process per GPU when there are enough GPUs. Otherwise they share one GPU as
 streams of one process: only sm120_pcie can run there (NCCL refuses two ranks on one GPU), the
@@ -35,7 +37,7 @@ from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 EPS = 1e-6
-BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie")
+BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")
 
 
 @dataclass(frozen=True)
@@ -322,8 +324,10 @@ def _rank_backends(
 
         ws = sk.CommWorkspace.create(gloo, max_tokens, hidden, dtype)
         backends["sm120_pcie"] = lambda x, r, w: sk.fused_allreduce_add_rmsnorm(x, r, w, EPS, ws)
+        backends["sm120_pcie_unfused"] = lambda x, r, w: add_rmsnorm(sk.all_reduce(x, ws), r, w)
     except Exception as exc:
-        skipped["sm120_pcie"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+        why = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+        skipped["sm120_pcie"] = skipped["sm120_pcie_unfused"] = why
     try:
         import flashinfer.comm  # noqa: F401
     except Exception as exc:
@@ -485,7 +489,8 @@ def format_table(table: TuningTable) -> str:
     by_cell = {(m.backend, m.tokens): m for m in table.measurements}
     tokens = sorted({m.tokens for m in table.measurements})
     best = winners(table)
-    head = f"{'tokens':>6} " + " ".join(f"{b:>12}" for b in BACKENDS) + "  fastest correct"
+    widths = {b: max(12, len(b)) for b in BACKENDS}
+    head = f"{'tokens':>6} " + " ".join(f"{b:>{widths[b]}}" for b in BACKENDS) + "  fastest correct"
     lines = [
         f"tp={table.tp} hidden={table.hidden} {table.dtype}"
         + (" (ranks share one GPU: kernel overhead only)" if table.ranks_share_gpu else ""),
@@ -498,7 +503,7 @@ def format_table(table: TuningTable) -> str:
             cell = (
                 "n/a" if m is None or m.us is None else f"{m.us:.1f}" + ("" if m.correct else "!")
             )
-            cells.append(f"{cell:>12}")
+            cells.append(f"{cell:>{widths[b]}}")
         lines.append(f"{t:>6} " + " ".join(cells) + f"  {best.get(t, '-')}")
     lines.append("(us per call; '!' = wrong result, excluded)")
     lines += [f"note: {n}" for n in table.notes]

@@ -10,6 +10,8 @@ Backends, as measured (each is one all-reduce + residual add + RMSNorm point of 
     pcie_ipc      FlashInfer PCIe-IPC all-reduce, then a separate add + RMSNorm
     trtllm        FlashInfer allreduce_fusion (trtllm, one-shot/two-shot as it picks)
     sm120_pcie    sgl-kernel-sm120 fused all-reduce + add + RMSNorm (one kernel)
+    sm120_pcie_unfused  sgl-kernel-sm120 all-reduce, then a separate add + RMSNorm (where this
+                  wins, the plan declines the fused point and serves SGLang's all-reduce)
 
 Example::
 

@@ -29,7 +29,13 @@ def test_tune_writes_a_checked_table(tp, tmp_path, monkeypatch):
     ours = [m for m in table.measurements if m.backend == "sm120_pcie"]
     assert [m.tokens for m in ours] == [1, 8, 64, 512]
     assert all(m.correct and m.us is not None and m.us > 0 for m in ours), ours
-    assert set(winners(table).values()) <= {"sm120_pcie", "nccl", "pcie_ipc", "trtllm"}
+    assert set(winners(table).values()) <= {
+        "sm120_pcie",
+        "sm120_pcie_unfused",
+        "nccl",
+        "pcie_ipc",
+        "trtllm",
+    }
     loaded, note = load_table(current_facts(), tp, 2048, "bfloat16")
     if table.ranks_share_gpu:
         assert loaded is None and "sharing one GPU" in note

@@ -27,7 +27,7 @@ def test_every_backend_is_correct_over_the_interconnect(tp, tmp_path, monkeypatc
     print(format_table(table))
     assert not table.ranks_share_gpu
     measured = [m for m in table.measurements if m.us is not None]
-    assert {"nccl", "sm120_pcie"} <= {m.backend for m in measured}
+    assert {"nccl", "sm120_pcie", "sm120_pcie_unfused"} <= {m.backend for m in measured}
     wrong = [m for m in measured if not m.correct]
     assert not wrong, wrong
     assert load_table(current_facts(), tp, 7168, "bfloat16")[0] == table

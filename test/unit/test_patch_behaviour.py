@@ -168,6 +168,39 @@ def test_sm120_pcie_decision_traces_under_torch_compile(routes):
     assert group.serves(small) and not group.serves(too_many)
 
 
+def test_fused_point_declined_where_the_table_routes_our_all_reduce_plus_norm(monkeypatch):
+    """Where the tuning table found sgl-kernel-sm120's all-reduce + a separate norm faster than
+    its fused kernel, the fused hook hands the point back to upstream (which then all-reduces
+    and norms separately) and the plain hook takes that all-reduce onto our kernel."""
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    group = sm120_group(routes=((4, "sm120_pcie"), (16, "sm120_pcie_unfused")))
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {True: group})
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    small, large = (torch.ones(n, 64, dtype=torch.bfloat16) for n in (4, 12))
+    launched = []
+    monkeypatch.setattr(
+        sm120_pcie_backend,
+        "KERNEL",
+        SimpleNamespace(
+            fused_allreduce_add_rmsnorm=lambda x, *a: launched.append(x.shape[0]) or (x, x),
+            validate_all_reduce=lambda *a, **k: None,
+            validate_fused=lambda *a, **k: None,
+        ),
+    )
+    for x in (small, large):
+        sm120_pcie_backend.fused_by_sm120_pcie(None, x, x.clone(), weight, 1e-6)
+    assert launched == [4]  # 12 tokens went back to upstream's unfused path
+    key = ("device_group", "cpu_group")
+    fits = [
+        sm120_pcie_backend.plain_fits_sm120_pcie(
+            None, x, use_attn_tp_group=True, expected_world_size=2, expected_group_key=key
+        )
+        for x in (small, large)
+    ]
+    assert fits == [True, True]
+
+
 def test_plain_allreduce_stays_off_our_kernel_when_the_plan_says_nccl(monkeypatch):
     """sm120_pcie fuses, but the user set SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0: plain all-reduces
     of the tagged group must not enter sgl-kernel-sm120."""

@@ -404,6 +404,36 @@ def test_table_routes_sm120_pcie_only_where_it_won():
     assert plan.to_json()["routes"] == {"4": "sm120_pcie", "64": "sm120_pcie", "2048": "nccl"}
 
 
+SM120_FUSES_SMALL_REDUCES_LARGE = table(
+    [
+        # 2x H200, hidden 7168 (benchmark/results/2xH200-2026-11-30): the fused kernel wins
+        # small, our all-reduce + a separate norm wins from 256 tokens on.
+        ("nccl", 4, 11.6, True),
+        ("sm120_pcie", 4, 6.7, True),
+        ("sm120_pcie_unfused", 4, 6.7 + 0.1, True),
+        ("nccl", 256, 37.8, True),
+        ("sm120_pcie", 256, 25.5, True),
+        ("sm120_pcie_unfused", 256, 24.4, True),
+        ("nccl", 2048, 166.2, True),
+        ("sm120_pcie", 2048, 157.8, True),
+        ("sm120_pcie_unfused", 2048, 141.0, True),
+    ]
+)
+
+
+def test_sizes_where_our_all_reduce_plus_norm_won_stay_on_our_kernel_unfused():
+    """The fused call is declined there (SGLang then all-reduces and norms separately) and the
+    all-reduce it makes instead still runs on sgl-kernel-sm120."""
+    plan = plan_allreduce(
+        WITH_KERNEL, D(8, model_arch=KIMI, tuning=SM120_FUSES_SMALL_REDUCES_LARGE), ARCHS
+    )
+    assert (plan.fusion_backend, plan.plain_allreduce) == ("sm120_pcie", "sm120_pcie")
+    sizes = (1, 4, 5, 256, 257, 2048, 4096)
+    assert [plan.uses_sm120_pcie_at(n) for n in sizes] == [True, True] + [False] * 5
+    assert [plan.reduces_with_sm120_pcie_at(n) for n in sizes] == [True] * 6 + [False]
+    assert any("unfused at [256, 2048]" in r for r in plan.reasons), plan.reasons
+
+
 def test_wrong_backend_is_named_in_the_reasons():
     plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=SM120_WRONG), ARCHS)
     assert any("sm120_pcie (wrong at 4 tokens)" in r for r in plan.reasons)

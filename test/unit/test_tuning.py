@@ -78,3 +78,20 @@ def test_winners_skip_wrong_and_unmeasured():
         Measurement("nccl", 8, 300.0, True),
     )
     assert winners(TuningTable({}, 8, 7168, "bfloat16", ms)) == {8: "nccl"}
+
+
+def test_printed_table_keeps_every_backend_in_its_column():
+    from sglang_sm120.tune import BACKENDS, format_table
+
+    ms = (
+        Measurement("nccl", 4, 11.6, True),
+        Measurement("sm120_pcie", 4, 6.7, True),
+        Measurement("sm120_pcie_unfused", 256, 24.4, True),
+        Measurement("sm120_pcie", 256, 25.5, False),
+    )
+    lines = format_table(TuningTable({}, 2, 7168, "bfloat16", ms)).splitlines()
+    head, row4, row256 = lines[1], lines[2], lines[3]
+    assert head.split()[1:-2] == list(BACKENDS)
+    assert len(row4) - len(row4.split("  ")[-1]) == len(row256) - len(row256.split("  ")[-1])
+    assert row4.endswith("sm120_pcie") and row256.endswith("sm120_pcie_unfused")
+    assert "25.5!" in row256  # wrong: shown, never chosen

@@ -102,12 +102,22 @@ class GroupWorkspace:
     dtype: Any
 
     def serves(self, x: Any, residual: Any = None, weight: Any = None) -> bool:
-        """Whether our kernel takes this input: it fits the workspace and the plan routes its
-        token count here. While tracing, as upstream does for its own workspace, only the
-        static limits are compared (no call into the workspace object)."""
+        """Whether our kernel takes this input (fused with residual and weight, else plain): it
+        fits the workspace and the plan routes its token count here (a fused point only where
+        the fused kernel won; an all-reduce also where our all-reduce + a separate norm won).
+        While tracing, as upstream does for its own workspace, only the static limits are
+        compared (no call into the workspace object)."""
         import torch
 
-        if self.ws is None or not self.plan.uses_sm120_pcie_at(x.shape[0]):
+        if self.ws is None:
+            return False
+        tokens = x.shape[0]
+        routed = (
+            self.plan.reduces_with_sm120_pcie_at(tokens)
+            if residual is None
+            else self.plan.uses_sm120_pcie_at(tokens)
+        )
+        if not routed:
             return False
         if torch.compiler.is_compiling():
             return x.dtype == self.dtype and x.shape[-1] == self.hidden and x.shape[0] <= self.rows
