@@ -157,13 +157,35 @@ def plain_route(group, x) -> dict:
     }
 
 
-def fused_route(norm, x, residual) -> dict:
-    """One fused point through ``RMSNorm.forward_with_allreduce_fusion``."""
-    mode = sglang_ops_on_meta({})
+def fused_route(norm, x, residual, bodies: dict[str, Callable] | None = None) -> dict:
+    """One fused point through ``RMSNorm.forward_with_allreduce_fusion``; ``bodies``: sglang
+    ops to run for real (by default every op only records itself)."""
+    mode = sglang_ops_on_meta(bodies or {})
     with mode, CallTrace() as trace:
         out = norm.forward_with_allreduce_fusion(x, residual)
     shapes = [list(t.shape) for t in out] if isinstance(out, tuple) else [list(out.shape)]
     return {"ops": mode.ops, "kernel": take_calls(), "trace": trace.calls, "shapes": shapes}
+
+
+def fused_where_the_table_chose_unfused(norm) -> dict:
+    """A fused point of 4 rows, with this process's sm120_pcie groups following a tuning table
+    in which our all-reduce + a separate norm won from 3 rows on (the fused kernel below)."""
+    from dataclasses import replace
+
+    from sglang.srt.distributed import parallel_state
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    saved = dict(sm120_pcie_backend._workspaces)
+    routes = ((2, "sm120_pcie"), (64, "sm120_pcie_unfused"))
+    for key, group in saved.items():
+        plan = replace(group.plan, routes=routes)
+        sm120_pcie_backend._workspaces[key] = replace(group, plan=plan)
+    try:
+        body = {"sglang::flashinfer_allreduce": parallel_state.flashinfer_allreduce.__wrapped__}
+        return fused_route(norm, meta(4, HIDDEN), meta(4, HIDDEN), body)
+    finally:
+        sm120_pcie_backend._workspaces.clear()
+        sm120_pcie_backend._workspaces.update(saved)
 
 
 def workspace_setup(mr_dtype) -> dict:
@@ -386,6 +408,8 @@ def worker(out_dir: str, variant: str, rank: int, port: int) -> dict:
     guarded(
         result, "fused_too_big", lambda: fused_route(norm, meta(big, HIDDEN), meta(big, HIDDEN))
     )
+    if variant == "sm120_pcie":
+        guarded(result, "fused_routed_unfused", lambda: fused_where_the_table_chose_unfused(norm))
     guarded(result, "invariants", lambda: invariants(tp))
     guarded(result, "capture", lambda: capture_with_fused_points(norm, [4, big]))
     result["fused_chain"] = [h.__name__ for h in applied_hooks(graph_stats.FUSED)]
