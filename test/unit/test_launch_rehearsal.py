@@ -118,5 +118,5 @@ def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path)
         launch([sys.executable, "-m", "sglang.launch_server"], deepseek, env)
     )
     assert plan.startswith("fusion=sm120_pcie, plain all-reduce=nccl; ")
-    assert "fastest correct in the tuning table at [4] tokens" in plan
+    assert "fastest correct in the tuning table, fused at [4] tokens" in plan
     assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user" in plan
