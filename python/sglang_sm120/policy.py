@@ -403,4 +403,13 @@ def plan_allreduce(
         return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
     fusion, fusion_reason, routes = _plan_fusion(cap, facts, deployment, fusion_archs)
     plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)
-    return AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason), routes)
+    reasons = (*cap.reasons, fusion_reason, plain_reason)
+    unfused = [t for t, b in routes if b == "sm120_pcie_unfused"]
+    if unfused and plain != "sm120_pcie":
+        # A declined fused point would be reduced by `plain`, not by our kernel: fuse instead.
+        routes = tuple((t, "sm120_pcie" if b == "sm120_pcie_unfused" else b) for t, b in routes)
+        reasons += (
+            f"fused at {unfused} tokens too: the table's sm120_pcie_unfused route needs "
+            f"sgl-kernel-sm120 for the plain all-reduce, and the plan uses {plain}",
+        )
+    return AllReducePlan(True, fusion, plain, reasons, routes)

@@ -80,11 +80,10 @@ __device__ __forceinline__ uint32_t ld_volatile(const uint32_t* p) {
 
 __device__ __forceinline__ uint4 ld_volatile_v4(const uint4* p) {
   uint4 v;
-  // No "memory" clobber: ordinary loads (residual, weight, own input) may be scheduled before
-  // the poll, so their latency overlaps it. asm volatile keeps every poll a fresh load.
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+               : "l"(p)
+               : "memory");
   return v;
 }
 
@@ -443,15 +442,17 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
   stamp(p, 2);
 
   // Clear what peers wrote into the previous buffer (read in the previous call) while their
-  // data of this call is on its way. When a block has fewer vectors than threads (verify
-  // sizes), the threads without a vector clear, so the pushing threads go straight to their
-  // polls; otherwise every thread clears after its pushes. The clearer count is the same in
-  // every block, so the blocks' shares tile [0, dirty). The negative control keeps one buffer
-  // and never clears.
+  // data of this call is on its way. When a block has at most half as many vectors as threads
+  // (verify sizes), the threads without a vector clear, so the pushing threads go straight to
+  // their polls; otherwise every thread clears after its pushes (with fewer clearers a large
+  // previous call would leave each of them thousands of stores). The clearer count is the same
+  // in every block, so the blocks' shares tile [0, dirty). The negative control keeps one
+  // buffer and never clears.
   uint4* own = static_cast<uint4*>(p.lamport[rank]);
   const int pushers = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
-  const int clearers = pushers < SK_THREADS ? SK_THREADS - pushers : SK_THREADS;
-  const int clearer = pushers < SK_THREADS ? t - pushers : t;  // < 0: this thread pushes only
+  const bool split_roles = pushers <= SK_THREADS / 2;
+  const int clearers = split_roles ? SK_THREADS - pushers : SK_THREADS;
+  const int clearer = split_roles ? t - pushers : t;  // < 0: this thread pushes only
   if (!single) {
     // Constant indices only (a runtime index would put `state` in local memory).
     int64_t dirty = 0;
@@ -792,13 +793,15 @@ SK_EXPORT int sk_ipc_close_handle(int device, void* ptr) {
 
 SK_EXPORT int sk_preload(int device) {
   return on_device(device, [&]() -> int {
-    for (const KernelFn* list : {kPeerKernels, kNormKernels}) {
-      const int count = list == kPeerKernels ? 8 : 2;
-      for (int i = 0; i < count; ++i) {
-        cudaFuncAttributes attr;
-        const cudaError_t err = cudaFuncGetAttributes(&attr, list[i]);
-        if (err != cudaSuccess) return err;
-      }
+    for (KernelFn fn : kPeerKernels) {
+      cudaFuncAttributes attr;
+      const cudaError_t err = cudaFuncGetAttributes(&attr, fn);
+      if (err != cudaSuccess) return err;
+    }
+    for (KernelFn fn : kNormKernels) {
+      cudaFuncAttributes attr;
+      const cudaError_t err = cudaFuncGetAttributes(&attr, fn);
+      if (err != cudaSuccess) return err;
     }
     return cudaSuccess;
   });

@@ -58,7 +58,8 @@ typedef struct {
   const void* input;         // all-reduce input
   void* output;              // plain: reduced result; fused: normed output
   const void* residual_in;   // fused only
-  void* residual_out;        // fused only
+  void* residual_out;        // fused only; must not overlap residual_in or weight (read
+                             // through the read-only cache)
   const void* weight;        // fused only, [hidden]
   // Workspace of every rank, indexed by rank (entries >= world_size unused).
   void* lamport[SK_MAX_RANKS];     // one-shot region: [3 buffers][world][lamport_slot_bytes]

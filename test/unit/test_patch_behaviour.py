@@ -188,9 +188,12 @@ def test_fused_point_declined_where_the_table_routes_our_all_reduce_plus_norm(mo
             validate_fused=lambda *a, **k: None,
         ),
     )
-    for x in (small, large):
+    results = [
         sm120_pcie_backend.fused_by_sm120_pcie(None, x, x.clone(), weight, 1e-6)
-    assert launched == [4]  # 12 tokens went back to upstream's unfused path
+        for x in (small, large)
+    ]
+    assert launched == [4]
+    assert results[1] == (None, None)  # 12 tokens: upstream all-reduces and norms separately
     key = ("device_group", "cpu_group")
     fits = [
         sm120_pcie_backend.plain_fits_sm120_pcie(

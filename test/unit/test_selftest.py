@@ -155,6 +155,30 @@ def test_fusion_on_in_the_plan_needs_a_fused_call_per_layer_in_every_verify_grap
     assert failed(checks) == ["fused all-reduce + RMSNorm in the verify graph"]
 
 
+def test_table_routed_unfused_everywhere_expects_no_fused_call() -> None:
+    """sm120_pcie chosen from a tuning table that routes every size to our all-reduce + SGLang's
+    norm: the verify graph holds no fused call, and that is the plan, not a failure."""
+    plan = {**PLAN_FUSED, "routes": {"4": "sm120_pcie_unfused", "64": "sm120_pcie_unfused"}}
+    reference, spec = runs(plan, fused=0)
+    assert failed(verdict(reference, spec, plan)) == []
+    reference, spec = runs(plan, fused=LAYERS)
+    assert failed(verdict(reference, spec, plan)) == [
+        "fused all-reduce + RMSNorm in the verify graph"
+    ]
+
+
+def test_table_fusing_some_sizes_expects_one_fused_graph() -> None:
+    """Fused at 4 tokens, unfused above: only the graphs captured at fused sizes hold fused
+    calls, so a layer's worth (one graph) is what every rank must show."""
+    plan = {**PLAN_FUSED, "routes": {"4": "sm120_pcie", "64": "sm120_pcie_unfused"}}
+    reference, spec = runs(plan, fused=LAYERS)
+    assert failed(verdict(reference, spec, plan)) == []
+    spec.stats_after[0]["fused_allreduce_in_capture"] = {e2e.VERIFY_MODE: LAYERS - 1}
+    assert failed(verdict(reference, spec, plan)) == [
+        "fused all-reduce + RMSNorm in the verify graph"
+    ]
+
+
 def test_fused_calls_when_the_plan_says_fusion_off_fail() -> None:
     reference, spec = runs(PLAN_OFF, fused=2)
     assert failed(verdict(reference, spec)) == ["fused all-reduce + RMSNorm in the verify graph"]

@@ -80,6 +80,23 @@ def test_winners_skip_wrong_and_unmeasured():
     assert winners(TuningTable({}, 8, 7168, "bfloat16", ms)) == {8: "nccl"}
 
 
+@pytest.mark.parametrize(
+    ("fused_us", "unfused_us", "winner"),
+    [
+        (25.5, 24.4, "sm120_pcie_unfused"),  # 1.1 us and 4.3% faster: a clear win
+        (7.6, 7.4, "sm120_pcie"),  # 0.2 us: noise; the fused kernel keeps the size
+        (157.8, 155.0, "sm120_pcie"),  # 2.8 us but 1.8%: not clear either
+    ],
+)
+def test_unfused_route_needs_a_clear_win_over_the_fused_kernel(fused_us, unfused_us, winner):
+    ms = (
+        Measurement("nccl", 16, 400.0, True),
+        Measurement("sm120_pcie", 16, fused_us, True),
+        Measurement("sm120_pcie_unfused", 16, unfused_us, True),
+    )
+    assert winners(TuningTable({}, 2, 7168, "bfloat16", ms)) == {16: winner}
+
+
 def test_printed_table_keeps_every_backend_in_its_column():
     from sglang_sm120.tune import BACKENDS, format_table
 
@@ -92,6 +109,10 @@ def test_printed_table_keeps_every_backend_in_its_column():
     lines = format_table(TuningTable({}, 2, 7168, "bfloat16", ms)).splitlines()
     head, row4, row256 = lines[1], lines[2], lines[3]
     assert head.split()[1:-2] == list(BACKENDS)
-    assert len(row4) - len(row4.split("  ")[-1]) == len(row256) - len(row256.split("  ")[-1])
+    # every value ends where its backend's name ends in the header
+    for row in (row4, row256):
+        assert len(row) - len(row.split("  ")[-1]) == len(head) - len("fastest correct")
+    unfused_end = head.index("sm120_pcie_unfused") + len("sm120_pcie_unfused")
+    assert row256[:unfused_end].endswith("24.4")
     assert row4.endswith("sm120_pcie") and row256.endswith("sm120_pcie_unfused")
     assert "25.5!" in row256  # wrong: shown, never chosen
