@@ -157,19 +157,22 @@ def plain_route(group, x) -> dict:
     }
 
 
-def fused_route(norm, x, residual, bodies: dict[str, Callable] | None = None) -> dict:
-    """One fused point through ``RMSNorm.forward_with_allreduce_fusion``; ``bodies``: sglang
-    ops to run for real (by default every op only records itself)."""
+def fused_route(
+    norm, x, residual, bodies: dict[str, Callable] | None = None, attention: bool = True
+) -> dict:
+    """One fused point through ``RMSNorm.forward_with_allreduce_fusion`` (after attention, or
+    after the MoE); ``bodies``: sglang ops to run for real (by default each only records)."""
     mode = sglang_ops_on_meta(bodies or {})
     with mode, CallTrace() as trace:
-        out = norm.forward_with_allreduce_fusion(x, residual)
+        out = norm.forward_with_allreduce_fusion(x, residual, use_attn_tp_group=attention)
     shapes = [list(t.shape) for t in out] if isinstance(out, tuple) else [list(out.shape)]
     return {"ops": mode.ops, "kernel": take_calls(), "trace": trace.calls, "shapes": shapes}
 
 
 def fused_where_the_table_chose_unfused(norm) -> dict:
-    """A fused point of 4 rows, with this process's sm120_pcie groups following a tuning table
-    in which our all-reduce + a separate norm won from 3 rows on (the fused kernel below)."""
+    """Fused points of 4 rows after attention and after the MoE, with this process's
+    sm120_pcie groups following a tuning table in which our all-reduce + a separate norm won
+    from 3 rows on (the fused kernel below)."""
     from dataclasses import replace
 
     from sglang.srt.distributed import parallel_state
@@ -182,7 +185,10 @@ def fused_where_the_table_chose_unfused(norm) -> dict:
         sm120_pcie_backend._workspaces[key] = replace(group, plan=plan)
     try:
         body = {"sglang::flashinfer_allreduce": parallel_state.flashinfer_allreduce.__wrapped__}
-        return fused_route(norm, meta(4, HIDDEN), meta(4, HIDDEN), body)
+        return {
+            where: fused_route(norm, meta(4, HIDDEN), meta(4, HIDDEN), body, where == "attention")
+            for where in ("attention", "moe")
+        }
     finally:
         sm120_pcie_backend._workspaces.clear()
         sm120_pcie_backend._workspaces.update(saved)

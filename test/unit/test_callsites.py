@@ -197,10 +197,11 @@ def test_fused_point_the_table_routes_unfused_reduces_on_our_kernel_then_norms(r
     """Where the tuning table found our all-reduce + a separate norm faster: SGLang's fused
     point is declined, and the all-reduce its fallback makes runs on sgl-kernel-sm120."""
     for rank in rehearsal["sm120_pcie"]:
-        route = rank["fused_routed_unfused"]
-        assert route["kernel"] == [{"call": "all_reduce", "shape": SMALL}], route
-        assert route["ops"] == FUSED, route  # upstream's op for our plain all-reduce
-        assert route["shapes"] == [SMALL, SMALL]
+        for where in ("attention", "moe"):  # attention_... / deferred_post_experts_all_reduce
+            route = rank["fused_routed_unfused"][where]
+            assert route["kernel"] == [{"call": "all_reduce", "shape": SMALL}], (where, route)
+            assert route["ops"] == FUSED, route  # upstream's op for our plain all-reduce
+            assert route["shapes"] == [SMALL, SMALL]
 
 
 def test_fused_point_beyond_the_workspace_takes_upstreams_unfused_path(rehearsal):
