@@ -235,9 +235,8 @@ def plan_checks(spec: e2e.RunResult, plan: dict[str, Any] | None, layers: int) -
     backend = (plan or {}).get("fusion_backend")
     fused_routes = [b for b in routes.values() if b == backend]
     every_graph = not routes or len(fused_routes) == len(routes)
-    fusing = {rank for rank, s in ranks.items() if s.get("fusion_backend")}
-    if routes and not fused_routes:
-        fusing = set()  # the fusion backend serves plain all-reduces only
+    fuses_somewhere = not routes or bool(fused_routes)  # else it serves plain all-reduces only
+    fusing = {rank for rank, s in ranks.items() if s.get("fusion_backend") and fuses_somewhere}
 
     def fused_ok(r: Any) -> bool:
         if r not in fusing:
