@@ -44,7 +44,7 @@ constexpr int kWarps = SK_THREADS / 32;
 constexpr int kKindPush = 0;
 constexpr int kKindGather = 1;
 
-static_assert(SK_MAX_RANKS * SK_MAX_BLOCKS <= SK_THREADS, "one polling thread per flag");
+static_assert(SK_MAX_RANKS <= SK_THREADS, "signal: one storing thread per peer");
 
 // Call state words (one copy per block index, see SK_STATE_*).
 constexpr int kStateEpoch = 0;
@@ -253,14 +253,14 @@ __device__ void signal(const SkLaunchParams& p, int kind, int parity, uint32_t e
 }
 
 // Waits until blocks [block_lo, block_lo + nblocks) of every other rank (and of this rank with
-// include_self) signalled call `epoch`; one polling thread per flag. Returns false when the
-// block must give up (a wait timed out); the result is the same for all threads of the block.
+// include_self) signalled call `epoch`; flags are split across the block's threads (each flag
+// has its own timeout bound, so a thread with two flags may wait up to twice it). Returns false
+// when the block must give up (a wait timed out); the result is the same for all threads.
 __device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int parity, uint32_t epoch,
                          int block_lo, int nblocks, bool include_self) {
-  const int t = threadIdx.x;
-  if (t < p.world_size * nblocks) {
-    const int src = t / nblocks;
-    const int block = block_lo + t % nblocks;
+  for (int i = threadIdx.x; i < p.world_size * nblocks; i += SK_THREADS) {
+    const int src = i / nblocks;
+    const int block = block_lo + i % nblocks;
     if (src != p.rank || include_self) {
       const uint32_t* flag = p.flags[p.rank] + flag_index(kind, parity, src, block);
       if (!reached(ld_acquire_sys(flag), epoch)) {
@@ -285,7 +285,9 @@ __device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int pari
 // residual_out = sum + residual_in; output = RMSNorm(residual_out) * weight, one row at a time,
 // rows blockIdx.x, blockIdx.x + gridDim.x, ... `sum_of(v, acc)` yields the all-reduced fp32
 // values of vector v (false: a peer timed out). The variance is taken on the fp32 value before
-// rounding, as SGLang's RMSNorm does. Returns false when the block gave up.
+// rounding, as SGLang's RMSNorm does. Returns false when the block gave up. The one-shot fused
+// epilogue: its fp32 sum of every rank's vector is kept in registers across the block sum (it
+// cannot be recomputed cheaply; add_rmsnorm_reduced_rows below recomputes a 16-bit one).
 // Each thread loads the residual and weight of all its vectors of the row before the first
 // sum_of: one memory latency for the row instead of a chain of dependent ones per vector.
 template <typename T, typename SumOf>
@@ -334,6 +336,70 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
 #pragma unroll
         for (int i = 0; i < 8; ++i) val[k][i] = val[k][i] * scale * wf[i];
         output[base + c] = Vec8<T>::pack(val[k]);
+      }
+    }
+  }
+  return true;
+}
+
+// residual_out = reduced + residual_in; output = RMSNorm(residual_out) * weight, where the
+// all-reduced rows are already 16-bit vectors in `reduced` (the split fused call's second launch,
+// the two-shot fused epilogue). Only the raw 16-byte vectors stay in registers across the block
+// sum; the fp32 sum is computed again for the scaling pass (the same operations, so the same
+// bits). That needs 64 registers instead of 92, and two 512-thread blocks fit on an SM:
+// one streams its row while the other waits in its block sum. `reduced` may alias `output`
+// (each thread reads its vectors before it writes them).
+template <typename T>
+__device__ bool add_rmsnorm_reduced_rows(const SkLaunchParams& p, Shared& sh, const uint4* reduced) {
+  const int row_vecs = p.hidden / kVecElems;
+  const uint4* residual_in = static_cast<const uint4*>(p.residual_in);
+  uint4* residual_out = static_cast<uint4*>(p.residual_out);
+  const uint4* weight = static_cast<const uint4*>(p.weight);
+  uint4* output = static_cast<uint4*>(p.output);
+  const int t = threadIdx.x;
+  auto sum = [](float (&val)[8], const uint4& x, const uint4& res) {
+    zero(val);
+    Vec8<T>::add_to(val, x);
+    Vec8<T>::add_to(val, res);
+  };
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t base = static_cast<int64_t>(row) * row_vecs;
+    uint4 x[kMaxVecPerThread], res[kMaxVecPerThread];
+#pragma unroll
+    for (int k = 0; k < kMaxVecPerThread; ++k) {
+      const int c = t + k * SK_THREADS;
+      if (c < row_vecs) {
+        x[k] = __ldcg(reduced + base + c);
+        res[k] = __ldg(residual_in + base + c);
+      }
+    }
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMaxVecPerThread; ++k) {
+      const int c = t + k * SK_THREADS;
+      if (c < row_vecs) {
+        float val[8];
+        sum(val, x[k], res[k]);
+        residual_out[base + c] = Vec8<T>::pack(val);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum_sq += val[i] * val[i];
+      }
+    }
+    bool aborted;
+    sum_sq = block_sum(sum_sq, sh, aborted);
+    if (aborted) return false;
+    const float scale = rsqrtf(sum_sq / static_cast<float>(p.hidden) + p.eps);
+#pragma unroll
+    for (int k = 0; k < kMaxVecPerThread; ++k) {
+      const int c = t + k * SK_THREADS;
+      if (c < row_vecs) {
+        float val[8], wf[8];
+        sum(val, x[k], res[k]);
+        zero(wf);
+        Vec8<T>::add_to(wf, __ldg(weight + c));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) val[i] = val[i] * scale * wf[i];
+        output[base + c] = Vec8<T>::pack(val);
       }
     }
   }
@@ -556,27 +622,18 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
   } else {
     // Rows span chunks: wait for every block of every rank, this one included.
     if (!wait_for(p, sh, kKindGather, parity, epoch, 0, nblocks, true)) return;
-    add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
-      zero(acc);
-      Vec8<T>::add_to(acc, __ldcg(gather_local + v));
-      return true;
-    });
+    add_rmsnorm_reduced_rows<T>(p, sh, gather_local);
   }
 }
 
 // Residual add + RMSNorm of `input` (already reduced): the second launch of a split fused
 // call. No peers, no call state: any grid size.
 template <typename T>
-__global__ void __launch_bounds__(SK_THREADS) add_rmsnorm_kernel(const SkLaunchParams p) {
+__global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const SkLaunchParams p) {
   __shared__ Shared sh;
   if (threadIdx.x == 0) sh.abort = 0;
   __syncthreads();
-  const uint4* reduced = static_cast<const uint4*>(p.input);
-  add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
-    zero(acc);
-    Vec8<T>::add_to(acc, reduced[v]);
-    return true;
-  });
+  add_rmsnorm_reduced_rows<T>(p, sh, static_cast<const uint4*>(p.input));
 }
 
 // One kernel per (dtype, variant, fused): each holds only the code its calls run (the plain
@@ -622,13 +679,13 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
     }
   }
   // Next call's state, into every copy this block index stands for (j = blockIdx.x mod grid):
-  // copies no other block of this launch reads. One word per thread.
-  const int copy = blockIdx.x + (threadIdx.x / SK_STATE_WORDS) * gridDim.x;
+  // copies no other block of this launch reads. One word per thread and copy.
   const int word = threadIdx.x % SK_STATE_WORDS;
-  if (copy < SK_MAX_BLOCKS) {
-    uint32_t value = 0;
+  uint32_t value = 0;
 #pragma unroll
-    for (int i = 0; i < SK_STATE_WORDS; ++i) value = (i == word) ? state[i] : value;
+  for (int i = 0; i < SK_STATE_WORDS; ++i) value = (i == word) ? state[i] : value;
+  for (int copy = blockIdx.x + (threadIdx.x / SK_STATE_WORDS) * gridDim.x; copy < SK_MAX_BLOCKS;
+       copy += (SK_THREADS / SK_STATE_WORDS) * gridDim.x) {
     states[copy * SK_STATE_WORDS + word] = value;
   }
   stamp(p, 5);

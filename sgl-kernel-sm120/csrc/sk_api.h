@@ -12,9 +12,9 @@
 extern "C" {
 #endif
 
-#define SK_ABI_VERSION 2
+#define SK_ABI_VERSION 3
 #define SK_MAX_RANKS 8
-#define SK_MAX_BLOCKS 64
+#define SK_MAX_BLOCKS 128
 #define SK_THREADS 512
 
 // Flags (two-shot only): uint32 [kind][parity][src rank][block], kind 0 = reduce-scatter push,

@@ -35,16 +35,16 @@ def _clean_env(monkeypatch):
 
 
 def test_workspace_bytes_follow_the_readme_formula_at_8_ranks_hidden_7168():
-    # README: bytes = 16 KiB + 3 N L + 2 N C + S, L = min(O, S), C = ceil(S / N).
+    # README: bytes = 32 KiB + 3 N L + 2 N C + S, L = min(O, S), C = ceil(S / N).
     for max_tokens in (64, 256, 512, 2048):
         s = max_tokens * 7168 * 2
         lamport, chunk = min(32 * KIB, s), s // 8
-        expected = 16 * KIB + 3 * 8 * lamport + 2 * 8 * chunk + s
+        expected = 32 * KIB + 3 * 8 * lamport + 2 * 8 * chunk + s
         assert sk.workspace_bytes(8, max_tokens, 7168) == expected
 
 
 def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_11_3_mib():
-    assert sk.workspace_bytes(8, 256, 7168) == 11_812_864
+    assert sk.workspace_bytes(8, 256, 7168) == 11_829_248
 
 
 @pytest.mark.parametrize(
@@ -99,7 +99,7 @@ def test_variant_switches_to_twoshot_just_above_the_threshold():
 
 
 @pytest.mark.parametrize(
-    ("nbytes", "blocks"), [(16, 1), (4096, 1), (4097, 2), (14336, 4), (1 * MIB, 64)]
+    ("nbytes", "blocks"), [(16, 1), (4096, 1), (4097, 2), (14336, 4), (1 * MIB, 128)]
 )
 def test_grid_grows_with_the_message_up_to_max_blocks(nbytes, blocks):
     assert sk.choose_blocks(nbytes, sk.resolve_tuning(4)) == blocks
@@ -212,15 +212,16 @@ def test_default_block_cap_keeps_all_ranks_resident_on_a_shared_gpu():
     # H200 with this kernel: 132 SMs x 1 block of 512 threads.
     assert sk.resolve_tuning(8, resident_blocks=132, ranks_per_gpu=8).max_blocks == 16
     assert sk.resolve_tuning(4, resident_blocks=132, ranks_per_gpu=4).max_blocks == 33
-    assert sk.resolve_tuning(2, resident_blocks=132, ranks_per_gpu=2).max_blocks == 64
-    assert sk.resolve_tuning(8, resident_blocks=188, ranks_per_gpu=1).max_blocks == 64
+    assert sk.resolve_tuning(2, resident_blocks=132, ranks_per_gpu=2).max_blocks == 66
+    assert sk.resolve_tuning(8, resident_blocks=132, ranks_per_gpu=1).max_blocks == 128
+    assert sk.resolve_tuning(8, resident_blocks=100, ranks_per_gpu=1).max_blocks == 100
 
 
 def test_block_cap_that_cannot_be_resident_is_refused():
     with pytest.raises(ValueError, match="would deadlock"):
         sk.resolve_tuning(8, max_blocks=32, resident_blocks=132, ranks_per_gpu=8)
-    with pytest.raises(ValueError, match=r"must be in \[1, 64\]"):
-        sk.resolve_tuning(2, max_blocks=65)
+    with pytest.raises(ValueError, match=r"must be in \[1, 128\]"):
+        sk.resolve_tuning(2, max_blocks=129)
 
 
 # --------------------------------------------------------------------------- validation

@@ -13,9 +13,9 @@ from pathlib import Path
 from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_RANKS = 8
-MAX_BLOCKS = 64
+MAX_BLOCKS = 128
 THREADS = 512
 FLAG_WORDS = 2 * 2 * MAX_RANKS * MAX_BLOCKS
 CTRL_WORDS = 8
