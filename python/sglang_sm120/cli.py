@@ -201,7 +201,9 @@ def _plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
     ]
     lines += [f"  - {reason}" for reason in plan.reasons]
     if plan.routes:
-        lines.append("  tuned routes (tokens <= N -> fastest correct backend):")
+        lines.append(
+            "  tuned routes (tokens <= N -> the fastest correct backend this server runs):"
+        )
         lines += [f"    {tokens:>5} -> {backend}" for tokens, backend in plan.routes]
     return lines
 

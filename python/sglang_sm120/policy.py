@@ -27,12 +27,14 @@ Rules (the README's table; test/unit/test_policy.py checks each row):
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sm120.facts import HostFacts, describe_gpus
-from sglang_sm120.tuning import TuningTable, excluded, winners
+from sglang_sm120.tuning import TuningTable, correct_times, excluded, winners
 
 PCIE_IPC_WORLD_SIZES = (2, 4, 8)
 SM120_PCIE_WORLD_SIZES = (2, 4, 8)
@@ -115,25 +117,38 @@ class AllReducePlan:
     reasons: tuple[str, ...] = field(default=())
     routes: tuple[tuple[int, str], ...] = field(default=())
 
-    def _sm120_pcie_route(self, tokens: int) -> str | None:
-        """The backend that serves ``tokens`` rows when sm120_pcie is the fusion backend:
-        sm120_pcie everywhere without a table; with a table, the winner of the nearest measured
-        size at or above (None above the largest)."""
-        if self.fusion_backend != "sm120_pcie":
-            return None
+    def route_at(self, tokens: int) -> str | None:
+        """The backend that serves a fused point of ``tokens`` rows: the fusion backend
+        everywhere without a table; with a table, the route of the nearest measured size at or
+        above. Above the largest: trtllm keeps fusing (upstream bounds it at 2048 rows), and
+        sm120_pcie serves nothing (None; its workspace is sized for the decode widths)."""
         if not self.routes:
-            return "sm120_pcie"
-        return next((b for t, b in self.routes if t >= tokens), None)
+            return self.fusion_backend
+        above = self.fusion_backend if self.fusion_backend == "trtllm" else None
+        return next((b for t, b in self.routes if t >= tokens), above)
+
+    def fuses_at(self, tokens: int) -> bool:
+        """Whether the fusion backend serves a fused point of ``tokens`` rows (elsewhere the
+        point is declined: SGLang all-reduces, by the route's backend, and norms separately)."""
+        return self.fusion_backend is not None and self.route_at(tokens) == self.fusion_backend
 
     def uses_sm120_pcie_at(self, tokens: int) -> bool:
         """Whether sgl-kernel-sm120's fused kernel serves a fused point of ``tokens`` rows."""
-        return self._sm120_pcie_route(tokens) == "sm120_pcie"
+        return self.fusion_backend == "sm120_pcie" and self.fuses_at(tokens)
 
     def reduces_with_sm120_pcie_at(self, tokens: int) -> bool:
         """Whether sgl-kernel-sm120's all-reduce serves ``tokens`` rows: where its fused kernel
         won, and where its all-reduce + a separate norm won (there the fused point is declined
         and the all-reduce SGLang then makes comes here)."""
-        return self._sm120_pcie_route(tokens) in SM120_PCIE_ROUTES
+        return self.fusion_backend == "sm120_pcie" and self.route_at(tokens) in SM120_PCIE_ROUTES
+
+    @property
+    def pcie_ipc_on(self) -> bool:
+        """Whether upstream's PCIe-IPC all-reduce is enabled: as the plain all-reduce, or behind
+        sgl-kernel-sm120 for the sizes the tuning table routes to it."""
+        return self.plain_allreduce == "pcie_ipc" or (
+            self.fusion_backend == "sm120_pcie" and any(b == "pcie_ipc" for _, b in self.routes)
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -252,51 +267,24 @@ def _sm120_pcie_blocker(facts: HostFacts, d: Deployment) -> str | None:
     return None
 
 
-def _from_tuning(
-    table: TuningTable, facts: HostFacts, d: Deployment
-) -> tuple[str | None, str, tuple]:
-    best = winners(table)
-    bad = excluded(table)
-    note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
-    routes = tuple(best.items())
-    if set(SM120_PCIE_ROUTES) & set(best.values()) and _sm120_pcie_blocker(facts, d) is None:
-        fused = [t for t, b in routes if b == "sm120_pcie"]
-        unfused = [t for t, b in routes if b == "sm120_pcie_unfused"]
-        how = [f"fused at {fused}"] if fused else []
-        how += [f"unfused at {unfused} (its all-reduce + SGLang's norm)"] if unfused else []
-        return (
-            "sm120_pcie",
-            (
-                "fusion sm120_pcie: sgl-kernel-sm120 fastest correct in the tuning table, "
-                f"{' and '.join(how)} tokens{note}"
-            ),
-            routes,
-        )
-    if best and set(best.values()) == {"trtllm"}:
-        return "trtllm", f"fusion trtllm: fastest correct at every measured size{note}", routes
-    return (
-        None,
-        f"fusion off: the tuning table found unfused all-reduce + norm fastest{note}",
-        routes,
-    )
+FROM_TABLE = "<from the tuning table>"  # _plan_fusion's answer when the table decides
 
 
 def _plan_fusion(
     cap: Capability, facts: HostFacts, d: Deployment, archs: Collection[str]
-) -> tuple[str | None, str, tuple]:
-    """(fusion backend, reason, per-token-count routes from a tuning table)."""
+) -> tuple[str | None, str]:
+    """(fusion backend, reason); FROM_TABLE when a tuning table decides (_plan_from_table)."""
     blocker = _fusion_blocker(cap, facts, d, archs)
     requested = d.fusion_backend_flag or d.plugin_backend
     if blocker is not None:
-        return None, blocker, ()
+        return None, blocker
     if requested == "sm120_pcie":
         why_not = _sm120_pcie_blocker(facts, d)
         if why_not is not None:
-            return None, f"fusion off (requested sm120_pcie refused): {why_not}", ()
+            return None, f"fusion off (requested sm120_pcie refused): {why_not}"
         return (
             "sm120_pcie",
             "fusion sm120_pcie: requested; one fused kernel per point, staged for PCIe",
-            (),
         )
     if requested is not None:
         if requested not in FUSION_BACKENDS_RUNNABLE_ON_SM12X:
@@ -306,21 +294,19 @@ def _plan_fusion(
                     f"fusion off: backend {requested} refused on SM12x (mnnvl needs an NVLink "
                     "fabric, cutedsl needs SM100); use trtllm or sm120_pcie"
                 ),
-                (),
             )
         how = (
             "--flashinfer-allreduce-fusion-backend" if d.fusion_backend_flag else PLUGIN_BACKEND_ENV
         )
-        return "trtllm", f"fusion trtllm: requested with {how} {requested}", ()
+        return "trtllm", f"fusion trtllm: requested with {how} {requested}"
     if d.tuning is not None:
-        return _from_tuning(d.tuning, facts, d)
+        return FROM_TABLE, ""
     tuning_note = f"; {d.tuning_note}" if d.tuning_note else ""
     if d.tp_size in FUSION_AUTO_TP_SIZES:
         return (
             "trtllm",
             "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)"
             + tuning_note,
-            (),
         )
     if facts.has_nvlink:
         return (
@@ -329,7 +315,6 @@ def _plan_fusion(
                 f"fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
                 "(opt in with --flashinfer-allreduce-fusion-backend trtllm)" + tuning_note
             ),
-            (),
         )
     return (
         None,
@@ -338,7 +323,6 @@ def _plan_fusion(
             "(opt in with --flashinfer-allreduce-fusion-backend trtllm or "
             f"{PLUGIN_BACKEND_ENV}=sm120_pcie)" + tuning_note
         ),
-        (),
     )
 
 
@@ -401,15 +385,133 @@ def plan_allreduce(
             else f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
         )
         return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
-    fusion, fusion_reason, routes = _plan_fusion(cap, facts, deployment, fusion_archs)
+    fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
+    if fusion == FROM_TABLE:
+        plan = _plan_from_table(cap, facts, deployment)
+        if plan is not None:
+            return plan
+        note = "tuning table unusable here: no candidate backend ran correctly at every size"
+        deployment = dataclasses.replace(deployment, tuning=None, tuning_note=note)
+        fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
     plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)
-    reasons = (*cap.reasons, fusion_reason, plain_reason)
-    unfused = [t for t, b in routes if b == "sm120_pcie_unfused"]
-    if unfused and plain != "sm120_pcie":
-        # A declined fused point would be reduced by `plain`, not by our kernel: fuse instead.
-        routes = tuple((t, "sm120_pcie" if b == "sm120_pcie_unfused" else b) for t, b in routes)
-        reasons += (
-            f"fused at {unfused} tokens too: the table's sm120_pcie_unfused route needs "
-            f"sgl-kernel-sm120 for the plain all-reduce, and the plan uses {plain}",
+    return AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason))
+
+
+def _declined_to(fusion: str | None, plain: str, pcie_ipc_behind: bool) -> str | None:
+    """The table backend that all-reduces a point the fusion backend declines (then SGLang's
+    norm runs), or None where a decline cannot leave the fusion backend. One per server:
+    upstream's all-reduce takes whatever fits the first eligible communicator, not a per-size
+    choice. With a fusion backend on, the TP groups are tagged for FlashInfer's all-reduce
+    unless the plain all-reduce is PCIe-IPC (patch allreduce_precedence): under trtllm a
+    declined point would then run trtllm's own all-reduce + norm, so trtllm keeps every size.
+    The table's "nccl" stands for upstream's plain path (NCCL; at TP2 custom all-reduce v1
+    comes first, which tune does not time)."""
+    if fusion == "trtllm" and plain != "pcie_ipc":
+        return None
+    return "pcie_ipc" if plain == "pcie_ipc" or pcie_ipc_behind else "nccl"
+
+
+def _servable(
+    fusion: str | None, plain: str, declined_to: str | None, kernel_installed: bool
+) -> frozenset[str]:
+    """The table backends one server can run at a fused point: its fusion backend (one per
+    server: trtllm and sm120_pcie exclude each other), what a declined point is all-reduced by,
+    and under sm120_pcie with its plain all-reduce ours, our all-reduce + SGLang's norm
+    (sm120_pcie_unfused). trtllm is declined per size by the sm120_pcie_backend patch, which
+    needs sgl-kernel-sm120 installed; without it trtllm serves every size."""
+    backends = {fusion} if fusion is not None else set()
+    if declined_to is not None and not (fusion == "trtllm" and not kernel_installed):
+        backends.add(declined_to)
+    if fusion == "sm120_pcie" and plain == "sm120_pcie":
+        backends.add("sm120_pcie_unfused")
+    return frozenset(backends)
+
+
+def _sizes_by_backend(routes: dict[int, str]) -> str:
+    by_backend: dict[str, list[int]] = {}
+    for tokens, backend in routes.items():
+        by_backend.setdefault(backend, []).append(tokens)
+    return ", ".join(f"{b} at {sizes}" for b, sizes in by_backend.items())
+
+
+def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllReducePlan | None:
+    """The plan a tuning table picks, or None when no candidate can serve every measured size.
+
+    Candidates: fusion off, trtllm, sm120_pcie, and sm120_pcie with upstream's PCIe-IPC on
+    behind our all-reduce. Each serves every measured size with the fastest correct backend it
+    can run there (``_servable``; a size leaves the fusion backend only by UNFUSED_MIN_GAIN).
+    The candidate whose routes come closest to the per-size best wins, by the geometric mean
+    of route time / best time over the measured sizes (every size weighs the same; a tie goes
+    to the simpler candidate)."""
+    table = d.tuning
+    assert table is not None
+    times = correct_times(table)
+    best_us: dict[int, float] = {}
+    for (_, tokens), us in times.items():
+        best_us[tokens] = min(us, best_us.get(tokens, us))
+    if not best_us:
+        return None
+    bad = excluded(table)
+    note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
+    pcie_ipc_usable = _plan_plain(cap, facts, d, None)[0] == "pcie_ipc"
+    kernel_installed = facts.versions.get("sgl-kernel-sm120") is not None
+    candidates: list[tuple[str | None, bool]] = [(None, False)]
+    measured = {backend for backend, _ in times}
+    if "trtllm" in measured:
+        candidates.append(("trtllm", False))
+    if _sm120_pcie_blocker(facts, d) is None and measured & set(SM120_PCIE_ROUTES):
+        candidates.append(("sm120_pcie", False))
+        if pcie_ipc_usable and _plan_plain(cap, facts, d, "sm120_pcie")[0] == "sm120_pcie":
+            candidates.append(("sm120_pcie", True))
+    options = []
+    for fusion, pcie_behind in candidates:
+        plain, plain_reason = _plan_plain(cap, facts, d, fusion)
+        declined_to = _declined_to(fusion, plain, pcie_behind)
+        allowed = _servable(fusion, plain, declined_to, kernel_installed)
+        routes = winners(table, allowed, prefer=fusion)
+        if set(routes) != set(best_us):
+            continue  # a measured size this candidate cannot serve
+        ratios = [times[(routes[t], t)] / best_us[t] for t in routes]
+        cost = math.prod(ratios) ** (1 / len(ratios))
+        name = (fusion or "off") + (" with PCIe-IPC behind" if pcie_behind else "")
+        options.append((cost, name, fusion, plain, plain_reason, routes, allowed))
+    if not options:
+        return None
+    cost, name, fusion, plain, plain_reason, routes, allowed = min(options, key=lambda o: o[0])
+    others = "; ".join(f"{o[1]} {o[0]:.2f}x" for o in options if o[1] != name)
+    reasons = [
+        *cap.reasons,
+        (
+            f"fusion {fusion or 'off'} from the tuning table: {_sizes_by_backend(routes)} tokens, "
+            f"{cost:.2f}x the per-size best (geometric mean{'; ' + others if others else ''})"
+            f"{note}"
+        ),
+        plain_reason,
+    ]
+    displaced: dict[tuple[str, str], list[int]] = {}
+    for tokens, backend in winners(table, prefer=None).items():
+        if backend not in allowed:
+            displaced.setdefault((backend, routes[tokens]), []).append(tokens)
+    for (backend, route), sizes in displaced.items():
+        family = "sm120_pcie" if backend in SM120_PCIE_ROUTES else backend  # its fusion backend
+        if family in ("trtllm", "sm120_pcie") and family != fusion:
+            why = f"one fusion backend per server, this one {fusion or 'off'}"
+        elif backend == "sm120_pcie_unfused":
+            why = f"needs sgl-kernel-sm120 as the plain all-reduce, the plan uses {plain}"
+        elif fusion == "trtllm" and plain != "pcie_ipc":
+            why = "a declined trtllm point would run trtllm's own all-reduce"
+        elif backend in ("pcie_ipc", "nccl"):
+            why = "a server has one path for declined points, here " + (
+                "PCIe-IPC" if "pcie_ipc" in allowed else "NCCL"
+            )
+        else:
+            why = "not a backend this version runs"
+        reasons.append(f"{backend} fastest at {sizes} tokens ({why}): {route} there")
+    pcie = [t for t, b in routes.items() if b == "pcie_ipc"]
+    if pcie and plain == "sm120_pcie":
+        reasons.append(
+            f"PCIe-IPC on behind sgl-kernel-sm120: the points at {pcie} tokens are declined and "
+            "all-reduced by PCIe-IPC, as is any all-reduce that our kernel declines and that fits "
+            "PCIe-IPC's workspace"
         )
-    return AllReducePlan(True, fusion, plain, reasons, routes)
+    return AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))

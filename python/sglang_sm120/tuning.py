@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from sglang_sm120.facts import HostFacts
 
 CACHE_ENV = "SGLANG_SM120_CACHE_DIR"
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
 
 
 @dataclass(frozen=True)
@@ -141,33 +142,46 @@ def load_table(
     return table, f"tuning table {path.name}"
 
 
-# sm120_pcie_unfused replaces the fused kernel only by a clear margin: the table times our
-# all-reduce + a Triton add+RMSNorm, while a declined fused point runs our all-reduce, a
-# residual copy and SGLang's own norm, which are not timed; and the two differ by less than
-# run-to-run noise at verify sizes (2x H200: 0.1-0.2 us at 16-64 tokens).
+# A size leaves the fused backend only by a clear margin: the table times the alternatives with
+# a Triton add+RMSNorm, while a declined fused point runs the all-reduce, a residual copy and
+# SGLang's own norm, which are not timed; and at verify sizes the candidates differ by less
+# than run-to-run noise (2x H200: 0.1-0.6 us at 1-64 tokens).
 UNFUSED_MIN_GAIN = (0.03, 0.5)  # at least 3% and 0.5 us faster
 
 
-def winners(table: TuningTable) -> dict[int, str]:
-    """Per measured token count, the fastest backend whose result was correct (sm120_pcie over
-    sm120_pcie_unfused unless the latter wins by UNFUSED_MIN_GAIN)."""
-    best: dict[int, Measurement] = {}
-    fused: dict[int, float] = {}
-    for m in table.measurements:
-        if not m.correct or m.us is None:
+def correct_times(table: TuningTable) -> dict[tuple[str, int], float]:
+    """(backend, tokens) -> microseconds, for every cell that ran and matched the reference."""
+    return {
+        (m.backend, m.tokens): m.us for m in table.measurements if m.correct and m.us is not None
+    }
+
+
+def winners(
+    table: TuningTable,
+    allowed: Collection[str] | None = None,
+    prefer: str | None = "sm120_pcie",
+) -> dict[int, str]:
+    """Per measured token count, the fastest backend whose result was correct, among
+    ``allowed`` (default: all). The fused backend ``prefer`` keeps a size unless another
+    backend beats it by UNFUSED_MIN_GAIN (None: plain fastest). A token count where no allowed
+    backend ran correctly is left out."""
+    best: dict[int, tuple[str, float]] = {}
+    preferred: dict[int, float] = {}
+    for (backend, tokens), us in correct_times(table).items():
+        if allowed is not None and backend not in allowed:
             continue
-        if m.backend == "sm120_pcie":
-            fused[m.tokens] = m.us
-        if m.tokens not in best or m.us < best[m.tokens].us:
-            best[m.tokens] = m
+        if backend == prefer:
+            preferred[tokens] = us
+        if tokens not in best or us < best[tokens][1]:
+            best[tokens] = (backend, us)
     routes = {}
     for tokens in sorted(best):
-        backend, us = best[tokens].backend, best[tokens].us
-        if backend == "sm120_pcie_unfused" and tokens in fused:
-            gain = fused[tokens] - us
+        backend, us = best[tokens]
+        if backend != prefer and tokens in preferred:
+            gain = preferred[tokens] - us
             ratio, absolute = UNFUSED_MIN_GAIN
-            if gain < ratio * fused[tokens] or gain < absolute:
-                backend = "sm120_pcie"
+            if gain < ratio * preferred[tokens] or gain < absolute:
+                backend = prefer
         routes[tokens] = backend
     return routes
 

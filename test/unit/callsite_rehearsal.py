@@ -194,6 +194,27 @@ def fused_where_the_table_chose_unfused(norm) -> dict:
         sm120_pcie_backend._workspaces.update(saved)
 
 
+def fused_where_the_table_routed_off_trtllm(norm) -> dict:
+    """A fused point of 4 rows with this process's trtllm plan following a tuning table in which
+    PCIe-IPC + a separate norm won from 3 to 64 rows (as the launcher would publish it)."""
+    from sglang_sm120 import runtime
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    def republish(value: str) -> None:
+        os.environ[runtime.LAUNCH_PLAN_ENV] = value
+        runtime._launch_plan.cache_clear()
+        sm120_pcie_backend._trtllm_plan = sm120_pcie_backend._UNRESOLVED
+
+    published = os.environ[runtime.LAUNCH_PLAN_ENV]
+    launched = json.loads(published)
+    launched["plan"]["routes"] = {"2": "trtllm", "64": "pcie_ipc", "2048": "trtllm"}
+    republish(json.dumps(launched))
+    try:
+        return fused_route(norm, meta(4, HIDDEN), meta(4, HIDDEN))
+    finally:
+        republish(published)
+
+
 def workspace_setup(mr_dtype) -> dict:
     """The runner's own step before graph capture (``BaseRunner`` method, on a runner that has
     only the fields it reads)."""
@@ -368,7 +389,7 @@ def worker(out_dir: str, variant: str, rank: int, port: int) -> dict:
     load_plugins()
     import recording_kernel
     import torch
-    from sglang.srt.distributed import bootstrap
+    from sglang.srt.distributed import bootstrap, parallel_state
     from sglang.srt.layers import flashinfer_comm_fusion
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.utils.common import configure_logger
@@ -376,7 +397,10 @@ def worker(out_dir: str, variant: str, rank: int, port: int) -> dict:
     from sglang_sm120.plugin import applied_hooks
     from sglang_sm120.runtime import PATCH_STATUS
 
-    server_args = pickle.loads((Path(out_dir) / f"{variant}.args").read_bytes())
+    # sm120_pcie_behind: the sm120_pcie launch, whose tuning table sent its smallest sizes to
+    # PCIe-IPC (the test publishes that plan).
+    args_of = "sm120_pcie" if variant == "sm120_pcie_behind" else variant
+    server_args = pickle.loads((Path(out_dir) / f"{args_of}.args").read_bytes())
     result: dict = {"variant": variant, "rank": rank}
     guarded(result, "unpublished", unpublished)
     publish(
@@ -401,6 +425,17 @@ def worker(out_dir: str, variant: str, rank: int, port: int) -> dict:
         "pcie_ipc_comm": tp.pcie_ipc_comm is not None,  # built when eligible_group said so
     }
     guarded(result, "workspace_setup", lambda: workspace_setup(torch.bfloat16))
+    if variant == "sm120_pcie_behind":
+        norm = RMSNorm(HIDDEN, eps=1e-6).to(device="meta", dtype=torch.bfloat16)
+        body = {"sglang::flashinfer_allreduce": parallel_state.flashinfer_allreduce.__wrapped__}
+        guarded(result, "plain_routed_pcie_ipc", lambda: plain_route(tp, meta(2, HIDDEN)))
+        guarded(result, "plain_routed_ours", lambda: plain_route(tp, meta(4, HIDDEN)))
+        guarded(
+            result,
+            "fused_routed_pcie_ipc",
+            lambda: fused_route(norm, meta(2, HIDDEN), meta(2, HIDDEN), body),
+        )
+        return result
     guarded(result, "plain_fits", lambda: plain_route(tp, meta(4, HIDDEN)))
     big = fcf_rows_over_workspace()
     guarded(result, "plain_too_big", lambda: plain_route(tp, meta(big, HIDDEN)))
@@ -416,6 +451,10 @@ def worker(out_dir: str, variant: str, rank: int, port: int) -> dict:
     )
     if variant == "sm120_pcie":
         guarded(result, "fused_routed_unfused", lambda: fused_where_the_table_chose_unfused(norm))
+    else:
+        guarded(
+            result, "fused_routed_off_trtllm", lambda: fused_where_the_table_routed_off_trtllm(norm)
+        )
     guarded(result, "invariants", lambda: invariants(tp))
     guarded(result, "capture", lambda: capture_with_fused_points(norm, [4, big]))
     result["fused_chain"] = [h.__name__ for h in applied_hooks(graph_stats.FUSED)]

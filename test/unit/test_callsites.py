@@ -70,10 +70,16 @@ def rehearsal(model_dirs, tmp_path_factory) -> dict:
         },
         "default": {},
     }
+    # The sm120_pcie launch again, with a tuning table that sent 1-2 rows to PCIe-IPC.
+    plans = {variant: launched[variant]["launch_plan"] for variant in worlds}
+    behind = json.loads(plans["sm120_pcie"])
+    behind["plan"]["routes"] = {"2": "pcie_ipc", "64": "sm120_pcie"}
+    plans["sm120_pcie_behind"] = json.dumps(behind)
+    worlds["sm120_pcie_behind"] = worlds["sm120_pcie"]
     procs = {}
     for variant, extra in worlds.items():
         port = _free_port()
-        worker_env = {**env, **extra, LAUNCH_PLAN_ENV: launched[variant]["launch_plan"]}
+        worker_env = {**env, **extra, LAUNCH_PLAN_ENV: plans[variant]}
         procs[variant] = [
             subprocess.Popen(
                 [sys.executable, str(REHEARSAL), "worker", str(out), variant, str(r), str(port)],
@@ -212,6 +218,19 @@ def test_fused_point_beyond_the_workspace_takes_upstreams_unfused_path(rehearsal
         assert "attention_tensor_model_parallel_all_reduce" in route["trace"]
 
 
+def test_trtllm_point_the_table_routes_to_pcie_ipc_is_declined_and_reduced_there(rehearsal):
+    """A trtllm plan whose tuning table found PCIe-IPC + norm faster at this size: SGLang's fused
+    point is declined, and its fallback all-reduce takes the plain path of this plan
+    (PCIe-IPC, like any plain all-reduce here), never FlashInfer's kernels."""
+    for rank in rehearsal["default"]:
+        route = rank["fused_routed_off_trtllm"]
+        assert "sglang::flashinfer_allreduce_residual_rmsnorm" not in route["ops"], route
+        assert route["ops"] == rank["plain_fits"]["ops"], route
+        assert "attention_tensor_model_parallel_all_reduce" in route["trace"]
+        assert route["kernel"] == []
+        assert route["shapes"] == [SMALL, SMALL]
+
+
 def test_fused_point_of_another_backend_is_upstreams(rehearsal):
     for rank in rehearsal["default"]:
         route = rank["fused_fits"]
@@ -278,3 +297,29 @@ def test_fused_calls_in_capture_count_only_kernel_results(rehearsal):
         assert rank["capture"]["kernel"] == [{"call": "fused", "shape": SMALL, "eps": 1e-6}]
         assert rank["stats"]["graph_captures"] == {"TARGET_VERIFY": 1}
         assert rank["stats"]["fused_allreduce_in_capture"] == {"TARGET_VERIFY": 1}
+
+
+# --- 5. sm120_pcie with PCIe-IPC behind it (the table sent 1-2 rows to PCIe-IPC) ----------
+
+
+def test_pcie_ipc_is_built_behind_our_kernel_and_takes_the_sizes_routed_to_it(rehearsal):
+    """Our hook declines the sizes routed to PCIe-IPC, and upstream's communicator choice
+    (where PCIe-IPC, built for this group, comes first) takes them: the same path as in a
+    PCIe-IPC plan. (Without a GPU the communicator is built disabled, so its own size check is
+    not reached here.)"""
+    pcie_plan_ops = rehearsal["default"][0]["plain_fits"]["ops"]
+    for rank in rehearsal["sm120_pcie_behind"]:
+        assert rank["tp"]["pcie_ipc_comm"] is True  # eligible_group said yes for the TP group
+        assert rank["tp"]["fi_workspace_hint"] is not None  # still tagged: ours comes first
+        ours = rank["plain_routed_ours"]
+        assert ours["kernel"] == [{"call": "all_reduce", "shape": SMALL}], ours
+        declined = rank["plain_routed_pcie_ipc"]
+        assert declined["kernel"] == []
+        assert "plain_fits_sm120_pcie" in declined["trace"]  # asked first, said no
+        assert "GroupCoordinator._resolve_outplace_all_reduce_method" in declined["trace"]
+        assert declined["ops"] == pcie_plan_ops, declined
+        fused = rank["fused_routed_pcie_ipc"]
+        assert fused["kernel"] == []
+        assert "sglang::flashinfer_allreduce_residual_rmsnorm" not in fused["ops"], fused
+        assert fused["ops"] == declined["ops"], fused
+        assert fused["shapes"] == [[2, HIDDEN], [2, HIDDEN]]

@@ -107,7 +107,7 @@ def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path)
     require_kernel_package()
     fingerprint = host_fingerprint(load_profile(PROFILE), 2)
     rows = [Measurement("sm120_pcie", t, us, True) for t, us in ((4, 5.0), (64, 50.0))]
-    rows += [Measurement("nccl_norm", t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
+    rows += [Measurement("nccl", t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
     os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
     try:
         save_table(TuningTable(fingerprint, 2, 7168, "bfloat16", tuple(rows)))
@@ -118,5 +118,5 @@ def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path)
         launch([sys.executable, "-m", "sglang.launch_server"], deepseek, env)
     )
     assert plan.startswith("fusion=sm120_pcie, plain all-reduce=nccl; ")
-    assert "fastest correct in the tuning table, fused at [4] tokens" in plan
+    assert "from the tuning table: sm120_pcie at [4], nccl at [64] tokens" in plan
     assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user" in plan

@@ -151,7 +151,7 @@ def sm120_group(routes=(), plain="sm120_pcie", rows=16, hidden=64):
     return GroupWorkspace(ws, 2, ("device_group", "cpu_group"), plan, rows, hidden, torch.bfloat16)
 
 
-@pytest.mark.parametrize("routes", [(), ((4, "sm120_pcie"), (64, "nccl_norm"))])
+@pytest.mark.parametrize("routes", [(), ((4, "sm120_pcie"), (64, "nccl"))])
 def test_sm120_pcie_decision_traces_under_torch_compile(routes):
     """GroupCoordinator.all_reduce and RMSNorm call the hooks while Dynamo traces: the decision
     must be plain comparisons (fullgraph, no graph break), with the same answers as eager."""
@@ -228,3 +228,98 @@ def test_bad_timeout_value_falls_back_with_a_warning(monkeypatch, caplog):
     assert "SGLANG_SM120_TIMEOUT_MS='abc' is not an integer" in caplog.text
     monkeypatch.setenv("SGLANG_SM120_TIMEOUT_MS", "2000")
     assert sm120_pcie_backend._timeout_ms() == 2000
+
+
+def publish_plan(monkeypatch, plan, tp: int) -> None:
+    """This worker received ``plan`` from its launcher (as runtime.plan_for_view publishes)."""
+    from sglang_sm120 import runtime
+    from sglang_sm120.policy import Capability
+
+    capability = Capability(True, True, True, ("test host",))
+    launched = {"tp_size": tp, "capability": capability.to_json(), "plan": plan.to_json()}
+    monkeypatch.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(launched))
+    runtime._launch_plan.cache_clear()
+    monkeypatch.delenv("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", raising=False)
+
+
+@pytest.fixture
+def fresh_launch_plan(monkeypatch):
+    from sglang_sm120 import runtime
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    runtime._launch_plan.cache_clear()
+    monkeypatch.setattr(sm120_pcie_backend, "_trtllm_plan", sm120_pcie_backend._UNRESOLVED)
+    yield
+    runtime._launch_plan.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("routes", "eligible"),
+    [(((1, "pcie_ipc"), (16, "sm120_pcie")), True), (((16, "sm120_pcie"),), False)],
+)
+def test_pcie_ipc_is_on_behind_our_kernel_where_the_table_routes_sizes_to_it(
+    monkeypatch, fresh_launch_plan, routes, eligible
+):
+    """Sizes the table gave to PCIe-IPC are declined by our hooks; upstream's real
+    ``eligible_group`` must then build the PCIe-IPC communicator for the TP group, or they
+    would fall to NCCL."""
+    from sglang.srt.distributed.device_communicators import pcie_ipc_ar
+    from sglang_sm120.patches import pcie_ipc_enable
+    from sglang_sm120.policy import AllReducePlan
+
+    plan = AllReducePlan(True, "sm120_pcie", "sm120_pcie", ("test plan",), routes)
+    publish_plan(monkeypatch, plan, tp=8)
+    upstream = getattr(pcie_ipc_ar.eligible_group, "__wrapped__", pcie_ipc_ar.eligible_group)
+    call = dict(group_name="tp", world_size=8, deterministic=False)
+    assert upstream(**call) is False  # opt-in upstream
+    assert pcie_ipc_enable.eligible_by_plan(upstream, **call) is eligible
+
+
+def test_trtllm_point_declined_where_the_table_routes_the_size_elsewhere(
+    monkeypatch, fresh_launch_plan
+):
+    """A trtllm plan whose table found PCIe-IPC or NCCL faster at some sizes: those fused
+    points are handed back (SGLang then all-reduces and norms separately), the others reach
+    upstream's trtllm call unchanged."""
+    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.policy import AllReducePlan
+
+    routes = ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm"))
+    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=2)
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
+    upstream_calls = []
+
+    def upstream(x, *args):
+        upstream_calls.append(x.shape[0])
+        return x, x
+
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    answers = {
+        n: sm120_pcie_backend.fused_by_sm120_pcie(upstream, x, x.clone(), weight, 1e-6)
+        for n in (4, 16, 64, 65)
+        for x in [torch.ones(n, 64, dtype=torch.bfloat16)]
+    }
+    assert upstream_calls == [4, 65]
+    assert answers[16] == (None, None) and answers[64] == (None, None)
+
+
+def test_trtllm_decline_traces_under_torch_compile(monkeypatch, fresh_launch_plan):
+    """The fused point is traced by torch.compile (--enable-torch-compile): once the workspace
+    setup resolved the plan, the decision is integer comparisons (fullgraph, no graph break),
+    with the eager answers."""
+    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.policy import AllReducePlan
+
+    routes = ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm"))
+    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=2)
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
+    sm120_pcie_backend._trtllm_routes()  # as ensure_sm120_pcie_workspace does before capture
+
+    def point(x):
+        out, _ = sm120_pcie_backend.fused_by_sm120_pcie(lambda x, *a: (x * 3, x), x, x, x[0], 1e-6)
+        return x + 1 if out is None else out
+
+    compiled = torch.compile(point, fullgraph=True, backend="eager", dynamic=False)
+    for rows, fused in ((4, True), (16, False), (65, True)):
+        x = torch.ones(rows, 8)
+        assert compiled(x)[0, 0].item() == (3.0 if fused else 2.0), rows

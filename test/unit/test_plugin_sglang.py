@@ -207,8 +207,7 @@ def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
         Measurement("sm120_pcie", tokens, us, True)
         for tokens, us in ((4, 9.0), (64, 40.0), (256, 200.0))
     ] + [
-        Measurement("nccl_norm", tokens, us, True)
-        for tokens, us in ((4, 20.0), (64, 30.0), (256, 90.0))
+        Measurement("nccl", tokens, us, True) for tokens, us in ((4, 20.0), (64, 30.0), (256, 90.0))
     ]
     table = TuningTable(
         host_fingerprint(load_profile("rtx-pro-6000-x8-pcie"), 8), 8, 7168, "bfloat16", tuple(rows)
@@ -225,7 +224,7 @@ def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
     )
     launched = json.loads(result["launch_plan"]["8"])["plan"]
     assert launched["fusion_backend"] == "sm120_pcie"
-    assert launched["routes"] == {"4": "sm120_pcie", "64": "nccl_norm", "256": "nccl_norm"}
+    assert launched["routes"] == {"4": "sm120_pcie", "64": "nccl", "256": "nccl"}
     assert result["worker_plan"]["8"]["routes"] == launched["routes"]
     assert plan_line(result["worker_log"]["8"], "from launcher", 8) == plan_line(
         result["launcher_log"], "server args", 8

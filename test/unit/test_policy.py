@@ -7,6 +7,8 @@ expected fusion backend and plain all-reduce. Pure: no sglang, no GPU.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 from sglang_sm120.facts import facts_from_json, load_profile
@@ -444,7 +446,11 @@ def test_unfused_route_fuses_when_the_plain_all_reduce_is_not_ours(pcie_ipc_env,
     assert (plan.fusion_backend, plan.plain_allreduce) == ("sm120_pcie", plain)
     assert all(plan.uses_sm120_pcie_at(n) for n in (1, 4, 256, 2048))
     assert not plan.uses_sm120_pcie_at(4096)
-    assert any("fused at [256, 2048] tokens too" in r and plain in r for r in plan.reasons)
+    assert any(
+        r.startswith("sm120_pcie_unfused fastest at [256, 2048] tokens")
+        and f"the plan uses {plain}): sm120_pcie there" in r
+        for r in plan.reasons
+    ), plan.reasons
 
 
 def test_wrong_backend_is_named_in_the_reasons():
@@ -455,3 +461,252 @@ def test_wrong_backend_is_named_in_the_reasons():
 def test_requested_sm120_pcie_serves_every_size_its_workspace_takes():
     plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, plugin_backend="sm120_pcie"), ARCHS)
     assert plan.uses_sm120_pcie_at(1) and plan.uses_sm120_pcie_at(2048)
+
+
+# Shaped like a PCIe host: PCIe-IPC + a separate norm wins the smallest sizes, our fused kernel
+# the verify sizes, NCCL the largest; trtllm (TP8 over PCIe) nowhere.
+PCIE_IPC_SMALLEST = table(
+    [
+        ("pcie_ipc", 1, 5.0, True),
+        ("sm120_pcie", 1, 6.0, True),
+        ("trtllm", 1, 15.0, True),
+        ("nccl", 1, 60.0, True),
+        ("pcie_ipc", 16, 10.0, True),
+        ("sm120_pcie", 16, 8.0, True),
+        ("trtllm", 16, 30.0, True),
+        ("nccl", 16, 70.0, True),
+        ("pcie_ipc", 64, 25.0, True),
+        ("sm120_pcie", 64, 15.0, True),
+        ("trtllm", 64, 60.0, True),
+        ("nccl", 64, 90.0, True),
+    ]
+)
+# Shaped like TP2: trtllm wins the smallest sizes, our fused kernel the middle ones.
+TRTLLM_SMALL_SM120_MIDDLE = table(
+    [
+        ("trtllm", 1, 5.0, True),
+        ("sm120_pcie", 1, 6.0, True),
+        ("pcie_ipc", 1, 5.5, True),
+        ("nccl", 1, 12.0, True),
+        ("trtllm", 4, 5.5, True),
+        ("sm120_pcie", 4, 6.5, True),
+        ("pcie_ipc", 4, 6.0, True),
+        ("nccl", 4, 12.0, True),
+        ("trtllm", 64, 12.0, True),
+        ("sm120_pcie", 64, 9.0, True),
+        ("pcie_ipc", 64, 24.0, True),
+        ("nccl", 64, 17.0, True),
+        ("trtllm", 256, 30.0, True),
+        ("sm120_pcie", 256, 20.0, True),
+        ("pcie_ipc", 256, 88.0, True),
+        ("nccl", 256, 37.0, True),
+    ]
+)
+
+
+def served_by_the_server(plan) -> bool:
+    """Every route is a backend this server runs: no other fusion backend than its own."""
+    return all(
+        b not in ("trtllm", "sm120_pcie") or b == plan.fusion_backend for _, b in plan.routes
+    )
+
+
+def test_sizes_where_pcie_ipc_won_run_pcie_ipc_behind_our_kernel():
+    """The table's PCIe-IPC sizes: our hooks decline them, so PCIe-IPC must be on to take them
+    (without it they would fall to NCCL, 12x slower there)."""
+    plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=PCIE_IPC_SMALLEST), ARCHS)
+    assert (plan.fusion_backend, plan.plain_allreduce) == ("sm120_pcie", "sm120_pcie")
+    assert dict(plan.routes) == {1: "pcie_ipc", 16: "sm120_pcie", 64: "sm120_pcie"}
+    assert plan.pcie_ipc_on
+    assert [plan.reduces_with_sm120_pcie_at(n) for n in (1, 2, 64, 65)] == [
+        False,
+        True,
+        True,
+        False,
+    ]
+    assert any(
+        r.startswith("PCIe-IPC on behind sgl-kernel-sm120: the points at [1]") for r in plan.reasons
+    )
+
+
+@pytest.mark.parametrize(("pcie_ipc_env", "dtype"), [(False, "bfloat16"), (None, "float16")])
+def test_pcie_ipc_sizes_go_to_the_next_best_where_pcie_ipc_cannot_be_on(pcie_ipc_env, dtype):
+    d = D(8, model_arch=KIMI, tuning=PCIE_IPC_SMALLEST, pcie_ipc_env=pcie_ipc_env, dtype=dtype)
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
+    assert dict(plan.routes)[1] == "sm120_pcie"  # 6 us: the best this server can run there
+    assert not plan.pcie_ipc_on
+    assert any(
+        r.startswith("pcie_ipc fastest at [1] tokens (a server has one path for declined points")
+        for r in plan.reasons
+    )
+
+
+def test_a_table_split_between_trtllm_and_sm120_pcie_routes_every_size_to_what_the_server_runs():
+    """One FlashInfer fusion backend per server: the plan picks the one whose routes come
+    closest to the per-size best, and routes the other's sizes to the next best it can run."""
+    plan = plan_allreduce(
+        WITH_KERNEL, D(2, model_arch=KIMI, tuning=TRTLLM_SMALL_SM120_MIDDLE), ARCHS
+    )
+    assert served_by_the_server(plan), plan.routes
+    # 1.05x of the per-size best with PCIe-IPC behind it; trtllm 1.19x.
+    assert plan.fusion_backend == "sm120_pcie"
+    assert dict(plan.routes) == {1: "pcie_ipc", 4: "pcie_ipc", 64: "sm120_pcie", 256: "sm120_pcie"}
+    assert any(
+        "1.05x the per-size best (geometric mean; off 1.94x; trtllm 1.19x; sm120_pcie 1.09x)" in r
+        for r in plan.reasons
+    )
+    assert any(
+        r.startswith("trtllm fastest at [1, 4] tokens (one fusion backend per server")
+        for r in plan.reasons
+    )
+
+
+TRTLLM_THEN_PCIE_IPC = table(
+    [
+        ("trtllm", 4, 5.5, True),
+        ("pcie_ipc", 4, 6.0, True),
+        ("nccl", 4, 12.0, True),
+        ("trtllm", 64, 12.0, True),
+        ("pcie_ipc", 64, 24.0, True),
+        ("nccl", 64, 17.0, True),
+        ("trtllm", 256, 90.0, True),
+        ("pcie_ipc", 256, 60.0, True),
+        ("nccl", 256, 40.0, True),
+    ]
+)
+
+
+def test_trtllm_plan_declines_the_sizes_its_table_routes_to_pcie_ipc():
+    """A declined point is all-reduced by the first communicator it fits (PCIe-IPC here), not
+    by a per-size choice: NCCL's 40 us at 256 tokens is not on offer, PCIe-IPC's 60 is."""
+    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC), ARCHS)
+    assert (plan.fusion_backend, plan.plain_allreduce) == ("trtllm", "pcie_ipc")
+    assert dict(plan.routes) == {4: "trtllm", 64: "trtllm", 256: "pcie_ipc"}
+    # Above the largest measured size trtllm keeps fusing (upstream's own 2048-row limit).
+    assert [plan.fuses_at(n) for n in (1, 64, 65, 256, 257, 2048)] == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+    ]
+    assert any(
+        r.startswith("nccl fastest at [256] tokens (a server has one path for declined points")
+        for r in plan.reasons
+    ), plan.reasons
+
+
+@pytest.mark.parametrize("kernel", [WITH_KERNEL, WITHOUT_KERNEL], ids=["kernel", "no-kernel"])
+def test_trtllm_keeps_every_size_where_a_declined_point_would_reach_trtllms_own_all_reduce(
+    kernel,
+):
+    """Without PCIe-IPC as the plain all-reduce the TP group stays tagged for FlashInfer's
+    all-reduce, so a declined trtllm point would run trtllm's all-reduce + a norm; and without
+    sgl-kernel-sm120 nothing declines a trtllm point at all."""
+    d = D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC, pcie_ipc_env=False)
+    plan = plan_allreduce(kernel, dataclasses.replace(d, pcie_ipc_env=False), ARCHS)
+    assert (plan.fusion_backend, plan.plain_allreduce) == ("trtllm", "nccl")
+    assert set(dict(plan.routes).values()) == {"trtllm"}
+    nokernel = plan_allreduce(
+        WITHOUT_KERNEL, D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC), ARCHS
+    )
+    assert set(dict(nokernel.routes).values()) == {"trtllm"}
+
+
+def test_a_table_no_candidate_can_serve_falls_back_to_the_default_rules():
+    tuning = table(
+        [
+            ("nccl", 4, 10.0, True),
+            ("sm120_pcie", 4, 5.0, True),
+            ("nccl", 64, None, False),
+            ("sm120_pcie", 64, 9.0, True),
+        ]
+    )
+    d = D(2, model_arch=KIMI, tuning=tuning, disaggregation=True)  # sm120_pcie blocked
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
+    assert (plan.fusion_backend, plan.routes) == ("trtllm", ())  # the TP2 default
+    assert any("tuning table unusable here" in r for r in plan.reasons), plan.reasons
+    empty = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=table([])), ARCHS)
+    assert (empty.fusion_backend, empty.routes) == ("trtllm", ())
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        SM120_WINS_SMALL,
+        SM120_WRONG,
+        TRTLLM_EVERYWHERE,
+        SM120_FUSES_SMALL_REDUCES_LARGE,
+        PCIE_IPC_SMALLEST,
+        TRTLLM_SMALL_SM120_MIDDLE,
+    ],
+)
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize(
+    "switches",
+    [{}, {"pcie_ipc_env": False}, {"pcie_ipc_env": True}, {"dtype": "float16"}],
+    ids=["default", "pcie-ipc=0", "pcie-ipc=1", "fp16"],
+)
+def test_every_route_is_a_backend_the_server_runs(tuning, tp, switches):
+    """Each route is what serves that size: the fusion backend, or for a declined point the one
+    path the server has for it (PCIe-IPC when on, else NCCL; never trtllm's own all-reduce)."""
+    plan = plan_allreduce(WITH_KERNEL, D(tp, model_arch=KIMI, tuning=tuning, **switches), ARCHS)
+    assert served_by_the_server(plan), (plan.fusion_backend, plan.routes)
+    routes = set(dict(plan.routes).values())
+    assert not ({"pcie_ipc", "nccl"} <= routes), plan.routes  # one path for declined points
+    if "pcie_ipc" in routes:
+        assert plan.pcie_ipc_on
+    if "nccl" in routes:
+        assert not plan.pcie_ipc_on
+        assert plan.fusion_backend != "trtllm"  # its groups stay tagged without PCIe-IPC
+    if "sm120_pcie_unfused" in routes:
+        assert plan.plain_allreduce == "sm120_pcie"
+
+
+MEASURED_2XH200 = (
+    Path(__file__).parents[2] / "benchmark/results/2xH200-2026-11-30/bench_allreduce.json"
+)
+BENCH_COLUMNS = {
+    "sm120_pcie": "ours_fused",
+    "sm120_pcie_unfused": "ours_unfused",
+    "trtllm": "fi_trtllm_fused",
+    "pcie_ipc": "fi_pcie_norm",
+    "nccl": "nccl_norm",
+}
+
+
+def measured_table(without: tuple[str, ...] = ()):
+    """The committed 2x H200 side-by-side run (benchmark/bench_allreduce.py) as a tuning table."""
+    rows = json.loads(MEASURED_2XH200.read_text())["results"][0]["rows"]
+    return table(
+        [
+            (backend, row["tokens"], row[column], True)
+            for row in rows
+            for backend, column in BENCH_COLUMNS.items()
+            if backend not in without
+        ]
+    )
+
+
+def test_measured_2xh200_run_routes_every_size_to_trtllm_which_wins_nearly_everywhere():
+    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=measured_table()), ARCHS)
+    assert (plan.fusion_backend, plan.plain_allreduce) == ("trtllm", "pcie_ipc")
+    assert set(dict(plan.routes).values()) == {"trtllm"}
+    # Our all-reduce + norm won the largest sizes; one fusion backend per server: trtllm there.
+    assert any(
+        r.startswith("sm120_pcie_unfused fastest at [1024, 2048] tokens (one fusion backend")
+        for r in plan.reasons
+    ), plan.reasons
+
+
+def test_measured_2xh200_run_without_trtllm_splits_sizes_between_pcie_ipc_and_our_kernel():
+    """As on a PCIe host where trtllm collapses (TP4/TP8): PCIe-IPC + norm where it beat our
+    fused kernel (1 and 4 tokens), our all-reduce + norm where that beat it by the margin."""
+    tuning = measured_table(without=("trtllm",))
+    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=tuning), ARCHS)
+    assert (plan.fusion_backend, plan.plain_allreduce) == ("sm120_pcie", "sm120_pcie")
+    routes = dict(plan.routes)
+    assert routes[1] == routes[4] == "pcie_ipc" and plan.pcie_ipc_on
+    assert routes[64] == "sm120_pcie_unfused"
+    assert routes[16] == routes[256] == routes[2048] == "sm120_pcie"

@@ -5,11 +5,13 @@ Why: SGLang's FlashInfer PCIe-IPC all-reduce (staged push kernels, ~5-15 us vs ~
     so a default launch on a PCIe-only SM120 host spends most of each EAGLE-3 verify in NCCL.
 How: AROUND hook on ``pcie_ipc_ar.eligible_group``, which stays a pure function of its
     arguments and the environment: it reads the launcher's plan (``runtime.worker_plan``), never
-    the runtime context. For the TP group of the planned size: plan ``pcie_ipc`` and the variable
-    unset -> the original runs with the variable set for that call (upstream still applies its
-    own group-name, world-size and determinism rules); the user set it to 1 on a host the plan
-    refuses (no P2P, multi-node, non-bf16) -> False, said once. Everything else (other groups,
-    an explicit 0, no plan from the launcher) goes to the original unchanged.
+    the runtime context. For the TP group of the planned size: PCIe-IPC on in the plan (the plain
+    all-reduce, or behind sgl-kernel-sm120 for the sizes its tuning table routes to PCIe-IPC)
+    and the variable unset -> the original runs with the variable set for that call (upstream
+    still applies its own group-name, world-size and determinism rules); the user set it to 1
+    on a host the plan refuses (no P2P, multi-node, non-bf16) -> False, said once. Everything
+    else (other groups, an explicit 0, no plan from the launcher) goes to the original
+    unchanged.
 Upstream: none filed; the backend is opt-in by design upstream.
 Removal: when upstream enables PCIe-IPC by topology detection.
 """
@@ -21,7 +23,7 @@ import logging
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
-from sglang_sm120.policy import Capability
+from sglang_sm120.policy import AllReducePlan, Capability
 from sglang_sm120.runtime import log_once, pcie_ipc_env, worker_plan, worker_tp_size
 
 TARGET = "sglang.srt.distributed.device_communicators.pcie_ipc_ar.eligible_group"
@@ -41,21 +43,26 @@ def not_needed(cap: Capability) -> str | None:
     return None if cap.sm12x else cap.reasons[0]
 
 
+def plain_reason(plan: AllReducePlan) -> str:
+    """The plan's reason for its plain all-reduce (a table plan has more reasons after it)."""
+    return next((r for r in plan.reasons if r.startswith("plain all-reduce")), plan.reasons[-1])
+
+
 def eligible_by_plan(original, *, group_name, world_size: int, deterministic: bool) -> bool:
     call = dict(group_name=group_name, world_size=world_size, deterministic=deterministic)
     plan = worker_plan()
     if group_name != "tp" or plan is None or not plan.managed or world_size != worker_tp_size():
         return original(**call)
     user_choice = pcie_ipc_env()
-    if plan.plain_allreduce == "pcie_ipc" and user_choice is None:
+    if plan.pcie_ipc_on and user_choice is None:
         from sglang.srt.environ import envs
 
         with envs.SGLANG_ENABLE_PCIE_IPC_ALLREDUCE.override(True):
             return original(**call)
-    if user_choice and plan.plain_allreduce != "pcie_ipc":
+    if user_choice and not plan.pcie_ipc_on:
         log_once(
             logging.WARNING,
-            f"sglang-sm120: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused: {plan.reasons[-1]}",
+            f"sglang-sm120: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused: {plain_reason(plan)}",
         )
         return False
     return original(**call)

@@ -12,8 +12,9 @@ How: AROUND hooks on upstream's FlashInfer fusion functions. ``ensure_workspace_
     ``flashinfer_allreduce``) run our kernels for inputs the workspace holds, from the same peers
     (world size and group key, as upstream checks its own workspace), at the token counts where
     the plan's tuning table has it win; other inputs get upstream's unfused path. A group without
-    our workspace (another backend, or none built) is handed to upstream unchanged, with no
-    per-call work beyond one dict lookup. Every decision is a pure function of shapes, the group
+    our workspace (another backend, or none built) is handed to upstream unchanged, except that
+    a ``trtllm`` plan whose tuning table routes a size elsewhere (PCIe-IPC, NCCL) has that
+    fused point declined too. Every decision is a pure function of shapes, the group
     and the shared plan, so all ranks take the same path. The peer-timeout check is the
     ``peer_check`` patch.
 Upstream: none; a new backend of this distribution.
@@ -136,6 +137,21 @@ class GroupWorkspace:
 
 #: use_attn_tp_group -> the workspace of that fusion group
 _workspaces: dict[bool, GroupWorkspace] = {}
+_UNRESOLVED = object()
+#: the launcher's trtllm plan when its tuning table routes sizes elsewhere, else None
+_trtllm_plan: Any = _UNRESOLVED
+
+
+def _trtllm_routes() -> AllReducePlan | None:
+    """The trtllm plan whose routes decline some sizes, or None. Resolved once per process, by
+    the workspace setup upstream runs before capture (or the first eager call), so a call
+    traced by torch.compile reads a global and compares integers."""
+    global _trtllm_plan
+    if _trtllm_plan is _UNRESOLVED:
+        plan = worker_plan()
+        trtllm = plan is not None and plan.fusion_backend == "trtllm" and bool(plan.routes)
+        _trtllm_plan = plan if trtllm else None
+    return _trtllm_plan
 
 
 def kernel() -> Any:
@@ -227,6 +243,7 @@ def ensure_sm120_pcie_workspace(
     use_attn_tp_group=True,
 ):
     plan = worker_plan()
+    _trtllm_routes()  # resolved before capture and compile
     if plan is None or plan.fusion_backend != BACKEND:
         return original(
             max_token_num,
@@ -255,6 +272,9 @@ def fused_by_sm120_pcie(
 ):
     group = _workspaces.get(use_attn_tp_group)
     if group is None:
+        routed = _trtllm_routes()
+        if routed is not None and not routed.fuses_at(input_tensor.shape[0]):
+            return None, None  # the table routes this size off trtllm (policy._servable)
         return original(
             input_tensor,
             residual,
