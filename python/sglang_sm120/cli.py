@@ -132,6 +132,11 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
     )
     parser.add_argument("--enforce-disable-fusion", action="store_true")
     parser.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="as SGLang's flag (at TP2 its custom all-reduce takes what fusion declines)",
+    )
+    parser.add_argument(
         "--plugin-backend",
         choices=PLUGIN_BACKEND_CHOICES,
         help=f"as {PLUGIN_BACKEND_ENV} (default: that variable)",
@@ -157,6 +162,7 @@ def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
         enforce_disable_fusion=args.enforce_disable_fusion,
         pcie_ipc_env=pcie_ipc_env(),
         plugin_backend=None if chosen == "auto" else chosen,
+        custom_all_reduce=not args.disable_custom_all_reduce,
     )
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sm120.facts import HostFacts, describe_gpus
-from sglang_sm120.tuning import TuningTable, correct_times, excluded, winners
+from sglang_sm120.tuning import UNFUSED_MIN_GAIN, TuningTable, correct_times, excluded, winners
 
 PCIE_IPC_WORLD_SIZES = (2, 4, 8)
 SM120_PCIE_WORLD_SIZES = (2, 4, 8)
@@ -65,6 +65,7 @@ class Deployment:
     gpu_ids: tuple[int, ...] | None = None  # every GPU this node's ranks use; None: first tp
     ray: bool = False  # --use-ray: the actors never load SGLang plugins
     disaggregation: bool = False  # PD disaggregation: a prefill server sends KV, not tokens
+    custom_all_reduce: bool = True  # upstream's custom all-reduce (--disable-custom-all-reduce)
 
     def used_gpu_ids(self) -> tuple[int, ...]:
         """Every GPU the node's ranks use (all must be SM12x with P2P between them)."""
@@ -390,23 +391,28 @@ def plan_allreduce(
         plan = _plan_from_table(cap, facts, deployment)
         if plan is not None:
             return plan
-        note = "tuning table unusable here: no candidate backend ran correctly at every size"
+        note = (
+            "tuning table unusable here: no candidate this server can run was measured "
+            "correct at every size"
+        )
         deployment = dataclasses.replace(deployment, tuning=None, tuning_note=note)
         fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
     plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)
     return AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason))
 
 
-def _declined_to(fusion: str | None, plain: str, pcie_ipc_behind: bool) -> str | None:
+def _declined_to(
+    fusion: str | None, plain: str, pcie_ipc_behind: bool, custom_ar_first: bool
+) -> str | None:
     """The table backend that all-reduces a point the fusion backend declines (then SGLang's
-    norm runs), or None where a decline cannot leave the fusion backend. One per server:
-    upstream's all-reduce takes whatever fits the first eligible communicator, not a per-size
-    choice. With a fusion backend on, the TP groups are tagged for FlashInfer's all-reduce
-    unless the plain all-reduce is PCIe-IPC (patch allreduce_precedence): under trtllm a
-    declined point would then run trtllm's own all-reduce + norm, so trtllm keeps every size.
-    The table's "nccl" stands for upstream's plain path (NCCL; at TP2 custom all-reduce v1
-    comes first, which tune does not time)."""
-    if fusion == "trtllm" and plain != "pcie_ipc":
+    norm runs), or None where a decline cannot leave the fusion backend for a measured path.
+    One per server: upstream's all-reduce takes whatever fits the first eligible communicator,
+    not a per-size choice. With a fusion backend on, the TP groups are tagged for FlashInfer's
+    all-reduce unless the plain all-reduce is PCIe-IPC (patch allreduce_precedence): under
+    trtllm a declined point would then run trtllm's own all-reduce + norm, so trtllm keeps
+    every size. ``custom_ar_first``: upstream's custom all-reduce (v1 over PCIe) takes a
+    declined point before PCIe-IPC and NCCL, and tune does not time it."""
+    if custom_ar_first or (fusion == "trtllm" and plain != "pcie_ipc"):
         return None
     return "pcie_ipc" if plain == "pcie_ipc" or pcie_ipc_behind else "nccl"
 
@@ -442,7 +448,10 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     can run there (``_servable``; a size leaves the fusion backend only by UNFUSED_MIN_GAIN).
     The candidate whose routes come closest to the per-size best wins, by the geometric mean
     of route time / best time over the measured sizes (every size weighs the same; a tie goes
-    to the simpler candidate)."""
+    to the simpler candidate), except that fusion is turned off only when that beats the best
+    fused candidate by UNFUSED_MIN_GAIN's ratio, as a size leaves its fusion backend. At TP2
+    upstream's custom all-reduce takes declined points and an unfused server's all-reduces
+    first, untimed by tune: there no size is declined and fusion off is no candidate."""
     table = d.tuning
     assert table is not None
     times = correct_times(table)
@@ -455,29 +464,42 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
     pcie_ipc_usable = _plan_plain(cap, facts, d, None)[0] == "pcie_ipc"
     kernel_installed = facts.versions.get("sgl-kernel-sm120") is not None
-    candidates: list[tuple[str | None, bool]] = [(None, False)]
+    # Upstream builds custom all-reduce v1 at world size 2 over PCIe (v2 needs NVLink) and
+    # resolves an untagged all-reduce to it before PCIe-IPC and NCCL.
+    custom_ar_first = d.custom_all_reduce and d.tp_size == 2
+    candidates: list[tuple[str | None, bool]] = [] if custom_ar_first else [(None, False)]
     measured = {backend for backend, _ in times}
     if "trtllm" in measured:
         candidates.append(("trtllm", False))
     if _sm120_pcie_blocker(facts, d) is None and measured & set(SM120_PCIE_ROUTES):
         candidates.append(("sm120_pcie", False))
-        if pcie_ipc_usable and _plan_plain(cap, facts, d, "sm120_pcie")[0] == "sm120_pcie":
+        behind_possible = _plan_plain(cap, facts, d, "sm120_pcie")[0] == "sm120_pcie"
+        if pcie_ipc_usable and behind_possible and not custom_ar_first:
             candidates.append(("sm120_pcie", True))
     options = []
     for fusion, pcie_behind in candidates:
         plain, plain_reason = _plan_plain(cap, facts, d, fusion)
-        declined_to = _declined_to(fusion, plain, pcie_behind)
+        declined_to = _declined_to(fusion, plain, pcie_behind, custom_ar_first)
         allowed = _servable(fusion, plain, declined_to, kernel_installed)
         routes = winners(table, allowed, prefer=fusion)
         if set(routes) != set(best_us):
             continue  # a measured size this candidate cannot serve
+        own = SM120_PCIE_ROUTES if fusion == "sm120_pcie" else (fusion,)
+        if fusion is not None and not set(routes.values()) & set(own):
+            continue  # declines every size: fusion off, with a workspace for nothing
         ratios = [times[(routes[t], t)] / best_us[t] for t in routes]
         cost = math.prod(ratios) ** (1 / len(ratios))
         name = (fusion or "off") + (" with PCIe-IPC behind" if pcie_behind else "")
         options.append((cost, name, fusion, plain, plain_reason, routes, allowed))
     if not options:
         return None
-    cost, name, fusion, plain, plain_reason, routes, allowed = min(options, key=lambda o: o[0])
+    chosen = min(options, key=lambda o: o[0])
+    fused = [o for o in options if o[2] is not None]
+    if chosen[2] is None and fused:
+        best_fused = min(fused, key=lambda o: o[0])
+        if chosen[0] > (1 - UNFUSED_MIN_GAIN[0]) * best_fused[0]:
+            chosen = best_fused  # fusion off by noise only: keep fusing
+    cost, name, fusion, plain, plain_reason, routes, allowed = chosen
     others = "; ".join(f"{o[1]} {o[0]:.2f}x" for o in options if o[1] != name)
     reasons = [
         *cap.reasons,
@@ -498,8 +520,12 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             why = f"one fusion backend per server, this one {fusion or 'off'}"
         elif backend == "sm120_pcie_unfused":
             why = f"needs sgl-kernel-sm120 as the plain all-reduce, the plan uses {plain}"
+        elif custom_ar_first and backend in ("pcie_ipc", "nccl"):
+            why = "at TP2 custom all-reduce would take a declined point, untimed"
         elif fusion == "trtllm" and plain != "pcie_ipc":
             why = "a declined trtllm point would run trtllm's own all-reduce"
+        elif fusion == "trtllm" and not kernel_installed:
+            why = "sgl-kernel-sm120 is not installed: nothing declines a trtllm point"
         elif backend in ("pcie_ipc", "nccl"):
             why = "a server has one path for declined points, here " + (
                 "PCIe-IPC" if "pcie_ipc" in allowed else "NCCL"
@@ -507,6 +533,12 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
         else:
             why = "not a backend this version runs"
         reasons.append(f"{backend} fastest at {sizes} tokens ({why}): {route} there")
+    if custom_ar_first:
+        reasons.append(
+            "no size declined off the fusion backend: at TP2 upstream's custom all-reduce takes "
+            "a declined point (and an unfused server's all-reduces) before PCIe-IPC and NCCL, "
+            "and tune does not time it (--disable-custom-all-reduce lets the table route sizes)"
+        )
     pcie = [t for t, b in routes.items() if b == "pcie_ipc"]
     if pcie and plain == "sm120_pcie":
         reasons.append(

@@ -192,6 +192,7 @@ def deployment_from_view(view: Any) -> Deployment:
         gpu_ids=gpu_ids,
         ray=bool(view.use_ray),
         disaggregation=view.disaggregation_mode not in (None, "null"),
+        custom_all_reduce=not view.disable_custom_all_reduce,
     )
     return with_tuning(deployment, model_config.hidden_size, dtype)
 

@@ -488,7 +488,7 @@ def format_table(table: TuningTable) -> str:
 
     by_cell = {(m.backend, m.tokens): m for m in table.measurements}
     tokens = sorted({m.tokens for m in table.measurements})
-    best = winners(table)
+    best = winners(table, prefer=None)
     widths = {b: max(12, len(b)) for b in BACKENDS}
     head = f"{'tokens':>6} " + " ".join(f"{b:>{widths[b]}}" for b in BACKENDS) + "  fastest correct"
     lines = [

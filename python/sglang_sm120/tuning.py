@@ -17,13 +17,14 @@ Backends, as measured (each is one all-reduce + residual add + RMSNorm point of 
 Example::
 
     table = TuningTable.from_json(json.loads(path.read_text()))
-    winners(table)   # {1: 'sm120_pcie', 2: 'sm120_pcie', ..., 2048: 'nccl'}
+    winners(table, prefer=None)   # {1: "sm120_pcie", 2: "sm120_pcie", ..., 2048: "nccl"}
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
@@ -149,17 +150,36 @@ def load_table(
 UNFUSED_MIN_GAIN = (0.03, 0.5)  # at least 3% and 0.5 us faster
 
 
+# sgl-kernel-sm120's two routes share its all-reduce: one measured wrong rules out both.
+SHARED_KERNEL_ROUTES = ("sm120_pcie", "sm120_pcie_unfused")
+
+
+def wrong_backends(table: TuningTable) -> set[str]:
+    """Backends with a result that did not match the reference at any size. A wrong result is
+    evidence against the kernel, not against one size: the same code path serves the sizes
+    around it, so such a backend is not used at any size."""
+    wrong = {m.backend for m in table.measurements if m.us is not None and not m.correct}
+    if wrong & set(SHARED_KERNEL_ROUTES):
+        wrong |= set(SHARED_KERNEL_ROUTES)
+    return wrong
+
+
 def correct_times(table: TuningTable) -> dict[tuple[str, int], float]:
-    """(backend, tokens) -> microseconds, for every cell that ran and matched the reference."""
+    """(backend, tokens) -> microseconds, for every cell that ran, matched the reference and
+    took a positive, finite time, of a backend never measured wrong (``wrong_backends``)."""
+    wrong = wrong_backends(table)
     return {
-        (m.backend, m.tokens): m.us for m in table.measurements if m.correct and m.us is not None
+        (m.backend, m.tokens): m.us
+        for m in table.measurements
+        if m.correct and m.backend not in wrong and m.us is not None and 0 < m.us < math.inf
     }
 
 
 def winners(
     table: TuningTable,
     allowed: Collection[str] | None = None,
-    prefer: str | None = "sm120_pcie",
+    *,
+    prefer: str | None,
 ) -> dict[int, str]:
     """Per measured token count, the fastest backend whose result was correct, among
     ``allowed`` (default: all). The fused backend ``prefer`` keeps a size unless another
@@ -187,7 +207,8 @@ def winners(
 
 
 def excluded(table: TuningTable) -> list[str]:
-    """Backends measured wrong on this host, with where: they are never chosen."""
+    """Backends measured wrong on this host, with where: they are never chosen, at any size
+    (``wrong_backends``)."""
     return sorted(
         {
             f"{m.backend} (wrong at {m.tokens} tokens)"

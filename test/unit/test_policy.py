@@ -544,9 +544,8 @@ def test_pcie_ipc_sizes_go_to_the_next_best_where_pcie_ipc_cannot_be_on(pcie_ipc
 def test_a_table_split_between_trtllm_and_sm120_pcie_routes_every_size_to_what_the_server_runs():
     """One FlashInfer fusion backend per server: the plan picks the one whose routes come
     closest to the per-size best, and routes the other's sizes to the next best it can run."""
-    plan = plan_allreduce(
-        WITH_KERNEL, D(2, model_arch=KIMI, tuning=TRTLLM_SMALL_SM120_MIDDLE), ARCHS
-    )
+    d = D(2, model_arch=KIMI, tuning=TRTLLM_SMALL_SM120_MIDDLE, custom_all_reduce=False)
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
     assert served_by_the_server(plan), plan.routes
     # 1.05x of the per-size best with PCIe-IPC behind it; trtllm 1.19x.
     assert plan.fusion_backend == "sm120_pcie"
@@ -579,7 +578,8 @@ TRTLLM_THEN_PCIE_IPC = table(
 def test_trtllm_plan_declines_the_sizes_its_table_routes_to_pcie_ipc():
     """A declined point is all-reduced by the first communicator it fits (PCIe-IPC here), not
     by a per-size choice: NCCL's 40 us at 256 tokens is not on offer, PCIe-IPC's 60 is."""
-    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC), ARCHS)
+    d = D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC, custom_all_reduce=False)
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == ("trtllm", "pcie_ipc")
     assert dict(plan.routes) == {4: "trtllm", 64: "trtllm", 256: "pcie_ipc"}
     # Above the largest measured size trtllm keeps fusing (upstream's own 2048-row limit).
@@ -604,14 +604,14 @@ def test_trtllm_keeps_every_size_where_a_declined_point_would_reach_trtllms_own_
     """Without PCIe-IPC as the plain all-reduce the TP group stays tagged for FlashInfer's
     all-reduce, so a declined trtllm point would run trtllm's all-reduce + a norm; and without
     sgl-kernel-sm120 nothing declines a trtllm point at all."""
-    d = D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC, pcie_ipc_env=False)
+    d = D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC, custom_all_reduce=False)
     plan = plan_allreduce(kernel, dataclasses.replace(d, pcie_ipc_env=False), ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == ("trtllm", "nccl")
     assert set(dict(plan.routes).values()) == {"trtllm"}
-    nokernel = plan_allreduce(
-        WITHOUT_KERNEL, D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC), ARCHS
-    )
+    nokernel = plan_allreduce(WITHOUT_KERNEL, d, ARCHS)
+    assert (nokernel.fusion_backend, nokernel.plain_allreduce) == ("trtllm", "pcie_ipc")
     assert set(dict(nokernel.routes).values()) == {"trtllm"}
+    assert any("nothing declines a trtllm point" in r for r in nokernel.reasons)
 
 
 def test_a_table_no_candidate_can_serve_falls_back_to_the_default_rules():
@@ -645,8 +645,14 @@ def test_a_table_no_candidate_can_serve_falls_back_to_the_default_rules():
 @pytest.mark.parametrize("tp", [2, 8])
 @pytest.mark.parametrize(
     "switches",
-    [{}, {"pcie_ipc_env": False}, {"pcie_ipc_env": True}, {"dtype": "float16"}],
-    ids=["default", "pcie-ipc=0", "pcie-ipc=1", "fp16"],
+    [
+        {},
+        {"pcie_ipc_env": False},
+        {"pcie_ipc_env": True},
+        {"dtype": "float16"},
+        {"custom_all_reduce": False},
+    ],
+    ids=["default", "pcie-ipc=0", "pcie-ipc=1", "fp16", "no-custom-ar"],
 )
 def test_every_route_is_a_backend_the_server_runs(tuning, tp, switches):
     """Each route is what serves that size: the fusion backend, or for a declined point the one
@@ -662,6 +668,8 @@ def test_every_route_is_a_backend_the_server_runs(tuning, tp, switches):
         assert plan.fusion_backend != "trtllm"  # its groups stay tagged without PCIe-IPC
     if "sm120_pcie_unfused" in routes:
         assert plan.plain_allreduce == "sm120_pcie"
+    if tp == 2 and switches.get("custom_all_reduce", True):
+        assert not routes & {"pcie_ipc", "nccl"}  # custom all-reduce v1 would take them
 
 
 MEASURED_2XH200 = (
@@ -704,9 +712,97 @@ def test_measured_2xh200_run_without_trtllm_splits_sizes_between_pcie_ipc_and_ou
     """As on a PCIe host where trtllm collapses (TP4/TP8): PCIe-IPC + norm where it beat our
     fused kernel (1 and 4 tokens), our all-reduce + norm where that beat it by the margin."""
     tuning = measured_table(without=("trtllm",))
-    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=tuning), ARCHS)
+    d = D(2, model_arch=KIMI, tuning=tuning, custom_all_reduce=False)
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == ("sm120_pcie", "sm120_pcie")
     routes = dict(plan.routes)
     assert routes[1] == routes[4] == "pcie_ipc" and plan.pcie_ipc_on
     assert routes[64] == "sm120_pcie_unfused"
     assert routes[16] == routes[256] == routes[2048] == "sm120_pcie"
+
+
+# trtllm fastest everywhere but wrong at 64 tokens (review r4, finding 1).
+TRTLLM_WRONG_ONCE = table(
+    [
+        ("trtllm", 4, 5.0, True),
+        ("pcie_ipc", 4, 10.0, True),
+        ("nccl", 4, 40.0, True),
+        ("trtllm", 64, 8.0, False),
+        ("pcie_ipc", 64, 20.0, True),
+        ("nccl", 64, 60.0, True),
+        ("trtllm", 256, 20.0, True),
+        ("pcie_ipc", 256, 60.0, True),
+        ("nccl", 256, 80.0, True),
+    ]
+)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_a_backend_wrong_at_one_size_is_used_at_none(tp):
+    """A wrong result is evidence against the kernel, not against one size: the same code path
+    serves the sizes around it."""
+    d = D(tp, model_arch=KIMI, tuning=TRTLLM_WRONG_ONCE, custom_all_reduce=False)
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
+    assert plan.fusion_backend != "trtllm"
+    assert "trtllm" not in dict(plan.routes).values()
+    assert any("excluded as wrong here: trtllm (wrong at 64 tokens)" in r for r in plan.reasons)
+
+
+def test_one_wrong_route_of_our_kernel_excludes_both():
+    """sm120_pcie and sm120_pcie_unfused share sgl-kernel-sm120's all-reduce."""
+    tuning = table(
+        [
+            ("sm120_pcie", 4, 5.0, True),
+            ("sm120_pcie_unfused", 4, 9.0, False),
+            ("pcie_ipc", 4, 10.0, True),
+            ("sm120_pcie", 64, 9.0, True),
+            ("sm120_pcie_unfused", 64, 12.0, True),
+            ("pcie_ipc", 64, 20.0, True),
+        ]
+    )
+    plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=tuning), ARCHS)
+    assert plan.fusion_backend is None and plan.plain_allreduce == "pcie_ipc"
+    assert set(dict(plan.routes).values()) == {"pcie_ipc"}
+
+
+def test_fusion_is_not_turned_off_by_noise():
+    """Unfused (off) only for a clear win over the best fused candidate, as for one size."""
+    rows = []
+    for tokens, us in ((4, 6.0), (16, 7.0), (64, 10.0), (256, 20.0)):
+        rows += [("trtllm", tokens, us, True), ("pcie_ipc", tokens, us * 0.99, True)]
+    d = D(8, model_arch=KIMI, tuning=table(rows), fusion_backend_flag=None)
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
+    assert plan.fusion_backend == "trtllm", plan.reasons
+    assert set(dict(plan.routes).values()) == {"trtllm"}
+    clear = [(b, t, us * 0.9 if b == "pcie_ipc" else us, ok) for b, t, us, ok in rows]
+    off = plan_allreduce(WITH_KERNEL, dataclasses.replace(d, tuning=table(clear)), ARCHS)
+    assert off.fusion_backend is None and off.plain_allreduce == "pcie_ipc"
+
+
+@pytest.mark.parametrize(
+    "tuning", [TRTLLM_THEN_PCIE_IPC, TRTLLM_SMALL_SM120_MIDDLE, PCIE_IPC_SMALLEST]
+)
+def test_at_tp2_with_custom_all_reduce_no_size_is_declined_to_an_untimed_path(tuning):
+    """At TP2 upstream's custom all-reduce v1 takes a declined point (and every plain
+    all-reduce of an unfused server) before PCIe-IPC or NCCL, and tune does not time it: the
+    plan keeps each size on a fusion backend, and says why."""
+    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=tuning), ARCHS)
+    assert plan.fusion_backend in ("trtllm", "sm120_pcie")
+    assert not {"pcie_ipc", "nccl"} & set(dict(plan.routes).values()), plan.routes
+    assert any(
+        "custom all-reduce" in r and "--disable-custom-all-reduce" in r for r in plan.reasons
+    )
+    assert not (plan.fusion_backend == "sm120_pcie" and plan.pcie_ipc_on)
+
+
+def test_a_zero_or_nan_time_is_not_a_measurement():
+    tuning = table(
+        [
+            ("trtllm", 4, 0.0, True),
+            ("pcie_ipc", 4, 6.0, True),
+            ("trtllm", 64, float("nan"), True),
+            ("pcie_ipc", 64, 20.0, True),
+        ]
+    )
+    plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=tuning), ARCHS)
+    assert plan.fusion_backend is None and set(dict(plan.routes).values()) == {"pcie_ipc"}

@@ -14,6 +14,7 @@ from sglang_sm120.tuning import (
     load_table,
     save_table,
     winners,
+    wrong_backends,
 )
 
 PCIE8 = load_profile("rtx-pro-6000-x8-pcie")
@@ -34,7 +35,7 @@ def test_round_trip_and_fresh_table_is_used():
     save_table(make_table())
     table, note = load_table(PCIE8, 8, 7168, "bfloat16")
     assert table == make_table() and note.startswith("tuning table allreduce-")
-    assert winners(table) == {1: "sm120_pcie"}
+    assert winners(table, prefer=None) == {1: "sm120_pcie"}
 
 
 def test_missing_table_says_how_to_make_one():
@@ -77,7 +78,7 @@ def test_winners_skip_wrong_and_unmeasured():
         Measurement("pcie_ipc", 8, None, True, "n/a"),
         Measurement("nccl", 8, 300.0, True),
     )
-    assert winners(TuningTable({}, 8, 7168, "bfloat16", ms)) == {8: "nccl"}
+    assert winners(TuningTable({}, 8, 7168, "bfloat16", ms), prefer=None) == {8: "nccl"}
 
 
 @pytest.mark.parametrize(
@@ -94,7 +95,21 @@ def test_unfused_route_needs_a_clear_win_over_the_fused_kernel(fused_us, unfused
         Measurement("sm120_pcie", 16, fused_us, True),
         Measurement("sm120_pcie_unfused", 16, unfused_us, True),
     )
-    assert winners(TuningTable({}, 2, 7168, "bfloat16", ms)) == {16: winner}
+    assert winners(TuningTable({}, 2, 7168, "bfloat16", ms), prefer="sm120_pcie") == {16: winner}
+
+
+def test_a_backend_wrong_at_one_size_wins_at_no_size():
+    ms = (
+        Measurement("trtllm", 4, 5.0, True),
+        Measurement("pcie_ipc", 4, 8.0, True),
+        Measurement("trtllm", 64, 9.0, False),
+        Measurement("pcie_ipc", 64, 20.0, True),
+        Measurement("sm120_pcie", 4, 4.0, True),
+        Measurement("sm120_pcie_unfused", 64, 6.0, False),  # shares sm120_pcie's all-reduce
+    )
+    table = TuningTable({}, 8, 7168, "bfloat16", ms)
+    assert wrong_backends(table) == {"trtllm", "sm120_pcie", "sm120_pcie_unfused"}
+    assert winners(table, prefer=None) == {4: "pcie_ipc", 64: "pcie_ipc"}
 
 
 def test_printed_table_keeps_every_backend_in_its_column():
@@ -104,7 +119,7 @@ def test_printed_table_keeps_every_backend_in_its_column():
         Measurement("nccl", 4, 11.6, True),
         Measurement("sm120_pcie", 4, 6.7, True),
         Measurement("sm120_pcie_unfused", 256, 24.4, True),
-        Measurement("sm120_pcie", 256, 25.5, False),
+        Measurement("trtllm", 256, 20.5, False),
     )
     lines = format_table(TuningTable({}, 2, 7168, "bfloat16", ms)).splitlines()
     head, row4, row256 = lines[1], lines[2], lines[3]
@@ -115,4 +130,4 @@ def test_printed_table_keeps_every_backend_in_its_column():
     unfused_end = head.index("sm120_pcie_unfused") + len("sm120_pcie_unfused")
     assert row256[:unfused_end].endswith("24.4")
     assert row4.endswith("sm120_pcie") and row256.endswith("sm120_pcie_unfused")
-    assert "25.5!" in row256  # wrong: shown, never chosen
+    assert "20.5!" in row256  # wrong: shown, never chosen
