@@ -61,8 +61,9 @@ def launcher(model_dir: str, out_dir: str) -> dict:
         for variant, env in VARIANTS.items():
             os.environ.pop("SGLANG_SM120_FUSION_BACKEND", None)
             os.environ.update(env)
-            # No custom all-reduce: it needs CUDA IPC (a real launch on this host would say so
-            # in a warning and go on without it).
+            # No custom all-reduce: the rehearsal has no CUDA IPC for it, and at TP2 a real
+            # server builds v1 and resolves declined points to it first (the plan then declines
+            # none); without it, declined points reach PCIe-IPC / NCCL as routed here.
             args = ServerArgs(
                 model_path=model_dir, tp_size=WORLD, device="cuda", disable_custom_all_reduce=True
             )
@@ -195,8 +196,9 @@ def fused_where_the_table_chose_unfused(norm) -> dict:
 
 
 def fused_where_the_table_routed_off_trtllm(norm) -> dict:
-    """A fused point of 4 rows with this process's trtllm plan following a tuning table in which
-    PCIe-IPC + a separate norm won from 3 to 64 rows (as the launcher would publish it)."""
+    """Fused points of 4 rows after attention and after the MoE, with this process's trtllm plan
+    following a tuning table in which PCIe-IPC + a separate norm won from 3 to 64 rows (as the
+    launcher would publish it)."""
     from sglang_sm120 import runtime
     from sglang_sm120.patches import sm120_pcie_backend
 
@@ -210,7 +212,10 @@ def fused_where_the_table_routed_off_trtllm(norm) -> dict:
     launched["plan"]["routes"] = {"2": "trtllm", "64": "pcie_ipc", "2048": "trtllm"}
     republish(json.dumps(launched))
     try:
-        return fused_route(norm, meta(4, HIDDEN), meta(4, HIDDEN))
+        return {
+            where: fused_route(norm, meta(4, HIDDEN), meta(4, HIDDEN), None, where == "attention")
+            for where in ("attention", "moe")
+        }
     finally:
         republish(published)
 

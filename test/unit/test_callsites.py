@@ -218,17 +218,24 @@ def test_fused_point_beyond_the_workspace_takes_upstreams_unfused_path(rehearsal
         assert "attention_tensor_model_parallel_all_reduce" in route["trace"]
 
 
-def test_trtllm_point_the_table_routes_to_pcie_ipc_is_declined_and_reduced_there(rehearsal):
+def test_trtllm_point_the_table_routes_to_pcie_ipc_is_declined_to_the_plain_path(rehearsal):
     """A trtllm plan whose tuning table found PCIe-IPC + norm faster at this size: SGLang's fused
-    point is declined, and its fallback all-reduce takes the plain path of this plan
-    (PCIe-IPC, like any plain all-reduce here), never FlashInfer's kernels."""
+    point, after attention and after the MoE, is declined, and its fallback all-reduce takes
+    the same path as any plain all-reduce of this server (on a GPU host, PCIe-IPC: the TP group
+    is not tagged for FlashInfer; this CPU rehearsal has PCIe-IPC disabled, so upstream's
+    NCCL op), never FlashInfer's kernels."""
+    fallback = {
+        "attention": "attention_tensor_model_parallel_all_reduce",
+        "moe": "deferred_post_experts_all_reduce",
+    }
     for rank in rehearsal["default"]:
-        route = rank["fused_routed_off_trtllm"]
-        assert "sglang::flashinfer_allreduce_residual_rmsnorm" not in route["ops"], route
-        assert route["ops"] == rank["plain_fits"]["ops"], route
-        assert "attention_tensor_model_parallel_all_reduce" in route["trace"]
-        assert route["kernel"] == []
-        assert route["shapes"] == [SMALL, SMALL]
+        for where, caller in fallback.items():
+            route = rank["fused_routed_off_trtllm"][where]
+            assert "sglang::flashinfer_allreduce_residual_rmsnorm" not in route["ops"], route
+            assert route["ops"] == rank["plain_fits"]["ops"], (where, route)
+            assert caller in route["trace"], (where, route["trace"])
+            assert route["kernel"] == []
+            assert route["shapes"] == [SMALL, SMALL]
 
 
 def test_fused_point_of_another_backend_is_upstreams(rehearsal):

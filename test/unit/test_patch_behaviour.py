@@ -303,6 +303,39 @@ def test_trtllm_point_declined_where_the_table_routes_the_size_elsewhere(
     assert answers[16] == (None, None) and answers[64] == (None, None)
 
 
+@pytest.mark.parametrize(
+    ("max_numel", "declined"), [(None, [16, 64]), (128 * 64, [16, 64, 65, 128])]
+)
+def test_trtllm_point_declined_only_where_pcie_ipc_can_take_it(
+    monkeypatch, fresh_launch_plan, max_numel, declined
+):
+    """PCIe-IPC's workspace holds the decode width (here upstream's fallback, 64 rows: no
+    server config) or SGLANG_PCIE_IPC_MAX_NUMEL; a larger point declined off trtllm would run
+    NCCL, so it stays on trtllm whatever the table's route."""
+    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.policy import AllReducePlan
+
+    if max_numel is None:
+        monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_PCIE_IPC_MAX_NUMEL", str(max_numel))
+    routes = ((4, "trtllm"), (256, "pcie_ipc"))
+    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=4)
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
+    upstream_calls = []
+
+    def upstream(x, *args):
+        upstream_calls.append(x.shape[0])
+        return x, x
+
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    sizes = (4, 16, 64, 65, 128, 256, 300)
+    for n in sizes:
+        x = torch.ones(n, 64, dtype=torch.bfloat16)
+        sm120_pcie_backend.fused_by_sm120_pcie(upstream, x, x.clone(), weight, 1e-6)
+    assert upstream_calls == [n for n in sizes if n not in declined]
+
+
 def test_trtllm_decline_traces_under_torch_compile(monkeypatch, fresh_launch_plan):
     """The fused point is traced by torch.compile (--enable-torch-compile): once the workspace
     setup resolved the plan, the decision is integer comparisons (fullgraph, no graph break),

@@ -80,6 +80,12 @@ CONTRACT = (
         "function",
         params=(),
     ),
+    Symbol(
+        "sglang.srt.distributed.device_communicators.pcie_ipc_ar._FALLBACK_DECODE_WIDTH",
+        "attribute",
+        type_name="int",
+    ),
+    Symbol("sglang.srt.environ.envs.SGLANG_PCIE_IPC_MAX_NUMEL", "attribute"),
 )
 ROLES = ("scheduler",)
 
@@ -140,18 +146,38 @@ _workspaces: dict[bool, GroupWorkspace] = {}
 _UNRESOLVED = object()
 #: the launcher's trtllm plan when its tuning table routes sizes elsewhere, else None
 _trtllm_plan: Any = _UNRESOLVED
+#: what PCIe-IPC's workspace holds, as upstream sizes it: (SGLANG_PCIE_IPC_MAX_NUMEL or 0, rows)
+_pcie_ipc_bound: tuple[int, int] = (0, 0)
 
 
 def _trtllm_routes() -> AllReducePlan | None:
     """The trtllm plan whose routes decline some sizes, or None. Resolved once per process, by
     the workspace setup upstream runs before capture (or the first eager call), so a call
-    traced by torch.compile reads a global and compares integers."""
-    global _trtllm_plan
+    traced by torch.compile reads globals and compares integers."""
+    global _trtllm_plan, _pcie_ipc_bound
     if _trtllm_plan is _UNRESOLVED:
         plan = worker_plan()
-        trtllm = plan is not None and plan.fusion_backend == "trtllm" and bool(plan.routes)
-        _trtllm_plan = plan if trtllm else None
+        trtllm = plan is not None and plan.fusion_backend == "trtllm"
+        _trtllm_plan = plan if trtllm and any(b != "trtllm" for _, b in plan.routes) else None
+        if _trtllm_plan is not None:
+            from sglang.srt.distributed.device_communicators.pcie_ipc_ar import (
+                _FALLBACK_DECODE_WIDTH,
+                _decode_width,
+            )
+            from sglang.srt.environ import envs
+
+            rows = _decode_width() or _FALLBACK_DECODE_WIDTH
+            _pcie_ipc_bound = (envs.SGLANG_PCIE_IPC_MAX_NUMEL.get() or 0, rows)
     return _trtllm_plan
+
+
+def _declined_fits_pcie_ipc(rows: int, hidden: int) -> bool:
+    """Whether a declined point reaches PCIe-IPC (which the plan's route stands for) rather
+    than NCCL: upstream's PCIe-IPC takes inputs its workspace holds, sized from the decode
+    width (max_bs x draft tokens) or SGLANG_PCIE_IPC_MAX_NUMEL. Larger prefill/extend chunks
+    stay on trtllm, whose workspace holds 2048 rows."""
+    max_numel, max_rows = _pcie_ipc_bound
+    return rows * hidden <= max_numel if max_numel else rows <= max_rows
 
 
 def kernel() -> Any:
@@ -273,8 +299,13 @@ def fused_by_sm120_pcie(
     group = _workspaces.get(use_attn_tp_group)
     if group is None:
         routed = _trtllm_routes()
-        if routed is not None and not routed.fuses_at(input_tensor.shape[0]):
-            return None, None  # the table routes this size off trtllm (policy._servable)
+        rows, hidden = input_tensor.shape[0], input_tensor.shape[-1]
+        if (
+            routed is not None
+            and not routed.fuses_at(rows)
+            and _declined_fits_pcie_ipc(rows, hidden)
+        ):
+            return None, None  # the table routes this size to PCIe-IPC (policy._servable)
         return original(
             input_tensor,
             residual,
