@@ -275,32 +275,32 @@ def test_pcie_ipc_is_on_behind_our_kernel_where_the_table_routes_sizes_to_it(
     assert pcie_ipc_enable.eligible_by_plan(upstream, **call) is eligible
 
 
+def trtllm_points(monkeypatch, routes, tp: int, sizes) -> dict[int, tuple]:
+    """Fused points of ``sizes`` rows (hidden 64) under a published trtllm plan with ``routes``,
+    no sgl-kernel-sm120 workspace: each answer, upstream's (x, x) where upstream was called."""
+    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.policy import AllReducePlan
+
+    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=tp)
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    return {
+        n: sm120_pcie_backend.fused_by_sm120_pcie(lambda x, *a: (x, x), x, x.clone(), weight)
+        for n in sizes
+        for x in [torch.ones(n, 64, dtype=torch.bfloat16)]
+    }
+
+
 def test_trtllm_point_declined_where_the_table_routes_the_size_elsewhere(
     monkeypatch, fresh_launch_plan
 ):
     """A trtllm plan whose table found PCIe-IPC or NCCL faster at some sizes: those fused
     points are handed back (SGLang then all-reduces and norms separately), the others reach
     upstream's trtllm call unchanged."""
-    from sglang_sm120.patches import sm120_pcie_backend
-    from sglang_sm120.policy import AllReducePlan
-
     routes = ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm"))
-    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=2)
-    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
-    upstream_calls = []
-
-    def upstream(x, *args):
-        upstream_calls.append(x.shape[0])
-        return x, x
-
-    weight = torch.ones(64, dtype=torch.bfloat16)
-    answers = {
-        n: sm120_pcie_backend.fused_by_sm120_pcie(upstream, x, x.clone(), weight, 1e-6)
-        for n in (4, 16, 64, 65)
-        for x in [torch.ones(n, 64, dtype=torch.bfloat16)]
-    }
-    assert upstream_calls == [4, 65]
-    assert answers[16] == (None, None) and answers[64] == (None, None)
+    answers = trtllm_points(monkeypatch, routes, 2, (4, 16, 64, 65))
+    declined = [n for n, (out, _) in answers.items() if out is None]
+    assert declined == [16, 64]
 
 
 @pytest.mark.parametrize(
@@ -312,28 +312,13 @@ def test_trtllm_point_declined_only_where_pcie_ipc_can_take_it(
     """PCIe-IPC's workspace holds the decode width (here upstream's fallback, 64 rows: no
     server config) or SGLANG_PCIE_IPC_MAX_NUMEL; a larger point declined off trtllm would run
     NCCL, so it stays on trtllm whatever the table's route."""
-    from sglang_sm120.patches import sm120_pcie_backend
-    from sglang_sm120.policy import AllReducePlan
-
     if max_numel is None:
         monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
     else:
         monkeypatch.setenv("SGLANG_PCIE_IPC_MAX_NUMEL", str(max_numel))
     routes = ((4, "trtllm"), (256, "pcie_ipc"))
-    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=4)
-    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
-    upstream_calls = []
-
-    def upstream(x, *args):
-        upstream_calls.append(x.shape[0])
-        return x, x
-
-    weight = torch.ones(64, dtype=torch.bfloat16)
-    sizes = (4, 16, 64, 65, 128, 256, 300)
-    for n in sizes:
-        x = torch.ones(n, 64, dtype=torch.bfloat16)
-        sm120_pcie_backend.fused_by_sm120_pcie(upstream, x, x.clone(), weight, 1e-6)
-    assert upstream_calls == [n for n in sizes if n not in declined]
+    answers = trtllm_points(monkeypatch, routes, 4, (4, 16, 64, 65, 128, 256, 300))
+    assert [n for n, (out, _) in answers.items() if out is None] == declined
 
 
 def test_trtllm_decline_traces_under_torch_compile(monkeypatch, fresh_launch_plan):
