@@ -450,8 +450,9 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     of route time / best time over the measured sizes (every size weighs the same; a tie goes
     to the simpler candidate), except that fusion is turned off only when that beats the best
     fused candidate by UNFUSED_MIN_GAIN's ratio, as a size leaves its fusion backend. At TP2
-    upstream's custom all-reduce takes declined points and an unfused server's all-reduces
-    first, untimed by tune: there no size is declined and fusion off is no candidate."""
+    or with NVLink upstream's custom all-reduce takes declined points and an unfused server's
+    all-reduces first, untimed by tune: there no size is declined and fusion off is no
+    candidate."""
     table = d.tuning
     assert table is not None
     times = correct_times(table)
@@ -464,9 +465,9 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
     pcie_ipc_usable = _plan_plain(cap, facts, d, None)[0] == "pcie_ipc"
     kernel_installed = facts.versions.get("sgl-kernel-sm120") is not None
-    # Upstream builds custom all-reduce v1 at world size 2 over PCIe (v2 needs NVLink) and
+    # Upstream builds its custom all-reduce at world size 2 (v1 over PCIe) or with NVLink, and
     # resolves an untagged all-reduce to it before PCIe-IPC and NCCL.
-    custom_ar_first = d.custom_all_reduce and d.tp_size == 2
+    custom_ar_first = d.custom_all_reduce and (d.tp_size == 2 or facts.has_nvlink)
     candidates: list[tuple[str | None, bool]] = [] if custom_ar_first else [(None, False)]
     measured = {backend for backend, _ in times}
     if "trtllm" in measured:
@@ -521,7 +522,7 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
         elif backend == "sm120_pcie_unfused":
             why = f"needs sgl-kernel-sm120 as the plain all-reduce, the plan uses {plain}"
         elif custom_ar_first and backend in ("pcie_ipc", "nccl"):
-            why = "at TP2 custom all-reduce would take a declined point, untimed"
+            why = "custom all-reduce would take a declined point, untimed"
         elif fusion == "trtllm" and plain != "pcie_ipc":
             why = "a declined trtllm point would run trtllm's own all-reduce"
         elif fusion == "trtllm" and not kernel_installed:
@@ -535,9 +536,11 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
         reasons.append(f"{backend} fastest at {sizes} tokens ({why}): {route} there")
     if custom_ar_first:
         reasons.append(
-            "no size declined off the fusion backend: at TP2 upstream's custom all-reduce takes "
-            "a declined point (and an unfused server's all-reduces) before PCIe-IPC and NCCL, "
-            "and tune does not time it (--disable-custom-all-reduce lets the table route sizes)"
+            "no size declined off the fusion backend: "
+            + ("at TP2" if d.tp_size == 2 else "with NVLink")
+            + " upstream's custom all-reduce takes a declined point (and an unfused server's "
+            "all-reduces) before PCIe-IPC and NCCL, and tune does not time it "
+            "(--disable-custom-all-reduce lets the table route sizes)"
         )
     pcie = [t for t, b in routes.items() if b == "pcie_ipc"]
     if pcie and plain == "sm120_pcie":

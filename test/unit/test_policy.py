@@ -806,3 +806,17 @@ def test_a_zero_or_nan_time_is_not_a_measurement():
     )
     plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=tuning), ARCHS)
     assert plan.fusion_backend is None and set(dict(plan.routes).values()) == {"pcie_ipc"}
+
+
+def test_with_nvlink_custom_all_reduce_takes_declined_points_at_any_tp():
+    """Upstream's custom all-reduce (v2 over NVLink) is built at TP8 with NVLink too."""
+    rows = []
+    for tokens, ours, nccl in ((4, 6.0, 5.0), (64, 10.0, 12.0), (256, 40.0, 20.0)):
+        rows += [("sm120_pcie", tokens, ours, True), ("nccl", tokens, nccl, True)]
+    nvlink = dataclasses.replace(host(nvlink=True), versions=WITH_KERNEL.versions)
+    d = D(8, model_arch=KIMI, tuning=table(rows))
+    plan = plan_allreduce(nvlink, d, ARCHS)
+    assert plan.fusion_backend == "sm120_pcie" and set(dict(plan.routes).values()) == {SM120_PCIE}
+    assert any("with NVLink upstream's custom all-reduce takes" in r for r in plan.reasons)
+    free = plan_allreduce(nvlink, dataclasses.replace(d, custom_all_reduce=False), ARCHS)
+    assert "nccl" in dict(free.routes).values()
