@@ -480,6 +480,9 @@ class ServerRuns:
         return result
 
 
+MTIME_SLACK_S = 0.1
+
+
 def sync_stats(
     stats_dir: Path, tp: int, nudge: Callable[[], Any], timeout_s: float = 30.0
 ) -> tuple[dict[int, dict[str, Any]], str | None]:
@@ -492,7 +495,9 @@ def sync_stats(
     such snapshots holds the requests sent in it plus 0 to 2 verify passes of the nudges.
     """
     time.sleep(1.1)
-    started = time.time()
+    # File mtimes come from the kernel's coarse clock, up to a tick behind time.time(); no
+    # file was rewritten in the last second of quiet, so a small slack admits no stale one.
+    started = time.time() - MTIME_SLACK_S
     nudge()
     deadline = time.monotonic() + timeout_s
     while True:

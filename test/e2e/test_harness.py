@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,23 @@ def test_sync_stats_waits_for_files_rewritten_after_the_nudge(tmp_path) -> None:
         _write_stats(tmp_path, 11, 1, 5)
 
     stats, problem = h.sync_stats(tmp_path, 2, nudge, timeout_s=5)
+    assert problem is None
+    assert [h.count(stats[r], "graph_replays") for r in (0, 1)] == [5, 5]
+
+
+def test_sync_stats_takes_a_rewrite_stamped_by_the_coarse_file_clock(tmp_path) -> None:
+    """A file's mtime comes from the kernel's coarse clock, a tick (a few ms) behind
+    time.time(): a file rewritten right after the nudge was sent can carry an earlier stamp."""
+    _write_stats(tmp_path, 10, 0, 4)
+    _write_stats(tmp_path, 11, 1, 4)
+
+    def nudge() -> None:
+        stamp = time.time() - 0.004
+        for pid, rank in ((10, 0), (11, 1)):
+            _write_stats(tmp_path, pid, rank, 5)
+            os.utime(tmp_path / f"sm120-stats-{pid}.json", (stamp, stamp))
+
+    stats, problem = h.sync_stats(tmp_path, 2, nudge, timeout_s=1)
     assert problem is None
     assert [h.count(stats[r], "graph_replays") for r in (0, 1)] == [5, 5]
 
