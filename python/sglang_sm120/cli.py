@@ -134,7 +134,7 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
     parser.add_argument(
         "--disable-custom-all-reduce",
         action="store_true",
-        help="as SGLang's flag (at TP2 its custom all-reduce takes what fusion declines)",
+        help="as SGLang's flag (at TP2 or with NVLink it takes the points fusion declines)",
     )
     parser.add_argument(
         "--plugin-backend",

@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sm120.facts import HostFacts, describe_gpus
-from sglang_sm120.tuning import UNFUSED_MIN_GAIN, TuningTable, correct_times, excluded, winners
+from sglang_sm120.tuning import (
+    SM120_PCIE_ROUTES,
+    UNFUSED_MIN_GAIN,
+    TuningTable,
+    correct_times,
+    excluded,
+    winners,
+)
 
 PCIE_IPC_WORLD_SIZES = (2, 4, 8)
 SM120_PCIE_WORLD_SIZES = (2, 4, 8)
@@ -101,11 +108,6 @@ class Capability:
             pcie_ipc_capable=bool(data["pcie_ipc_capable"]),
             reasons=tuple(str(r) for r in data["reasons"]),
         )
-
-
-# Tuning-table routes served by sgl-kernel-sm120: its fused kernel, or its all-reduce followed by
-# SGLang's own add + RMSNorm (where the table found that faster than the fused kernel).
-SM120_PCIE_ROUTES = ("sm120_pcie", "sm120_pcie_unfused")
 
 
 @dataclass(frozen=True)

@@ -150,8 +150,9 @@ def load_table(
 UNFUSED_MIN_GAIN = (0.03, 0.5)  # at least 3% and 0.5 us faster
 
 
-# sgl-kernel-sm120's two routes share its all-reduce: one measured wrong rules out both.
-SHARED_KERNEL_ROUTES = ("sm120_pcie", "sm120_pcie_unfused")
+# Tuning-table routes served by sgl-kernel-sm120: its fused kernel, or its all-reduce followed
+# by SGLang's own add + RMSNorm. They share its all-reduce: one measured wrong rules out both.
+SM120_PCIE_ROUTES = ("sm120_pcie", "sm120_pcie_unfused")
 
 
 def wrong_backends(table: TuningTable) -> set[str]:
@@ -159,8 +160,8 @@ def wrong_backends(table: TuningTable) -> set[str]:
     evidence against the kernel, not against one size: the same code path serves the sizes
     around it, so such a backend is not used at any size."""
     wrong = {m.backend for m in table.measurements if m.us is not None and not m.correct}
-    if wrong & set(SHARED_KERNEL_ROUTES):
-        wrong |= set(SHARED_KERNEL_ROUTES)
+    if wrong & set(SM120_PCIE_ROUTES):
+        wrong |= set(SM120_PCIE_ROUTES)
     return wrong
 
 
