@@ -42,6 +42,7 @@ from sglang_sm120.facts import (
 from sglang_sm120.policy import (
     PLUGIN_BACKEND_CHOICES,
     PLUGIN_BACKEND_ENV,
+    VALIDATION_NOTE,
     AllReducePlan,
     Deployment,
     plan_allreduce,
@@ -148,7 +149,7 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
 
 
 def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
-    from sglang_sm120.runtime import pcie_ipc_env, plugin_backend
+    from sglang_sm120.runtime import pcie_ipc_env, plugin_backend, validation_mode
 
     chosen = args.plugin_backend or plugin_backend()
     return Deployment(
@@ -163,6 +164,7 @@ def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
         pcie_ipc_env=pcie_ipc_env(),
         plugin_backend=None if chosen == "auto" else chosen,
         custom_all_reduce=not args.disable_custom_all_reduce,
+        any_arch=validation_mode(),
     )
 
 
@@ -322,6 +324,8 @@ def _coverage_lines(report: dict[str, Any]) -> list[str]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from sglang_sm120.runtime import validation_mode
+
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
     if facts.gpus:
@@ -340,6 +344,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "plan": {**plan.to_json(), "tp": tp_size},
         **state,
         "kill_switch": os.environ.get("SGLANG_SM120_DISABLE", ""),
+        "validation_mode": validation_mode(),
         "kernel_images": coverage,
     }
     if args.json:
@@ -364,6 +369,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     lines += [f"  - {p}" for p in problems]
     if report["kill_switch"] not in ("", "0"):
         lines.append("kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied")
+    if report["validation_mode"]:
+        lines.append(f"VALIDATION MODE ON: {VALIDATION_NOTE}")
     lines += _plan_lines(plan, tp_size)
     lines += _coverage_lines(coverage)
     print("\n".join(lines))

@@ -18,6 +18,8 @@ Environment knobs of the e2e test suite (all optional):
 - ``SGLANG_SM120_E2E_REAL_TREE``: steps,topk,draft tokens for the real pair (default 3,1,4).
 - ``SGLANG_SM120_E2E_STARTUP_S``: server start-up timeout (default 900; selftest reads it too).
 - ``SGLANG_SM120_E2E_LOG_DIR``: keep server logs there (CI uploads them); default a tmp dir.
+- ``SGLANG_SM120_E2E_SERVER_ARGS``: extra arguments for every server, split as a shell would
+  (e.g. ``--attention-backend triton`` where FA3 is missing); selftest's ``--server-arg``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -106,6 +109,24 @@ def env_list(name: str, default: tuple) -> tuple:
         return default
     cast = type(default[0])
     return tuple(cast(x.strip()) for x in raw.split(",") if x.strip())
+
+
+SERVER_ARGS_ENV = "SGLANG_SM120_E2E_SERVER_ARGS"
+
+
+def split_server_args(values: list[str] | tuple[str, ...] | str | None) -> tuple[str, ...]:
+    """Extra server arguments, each value split as a shell would ("--attention-backend triton"
+    and "--attention-backend=triton" both work); ValueError on unbalanced quotes."""
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    return tuple(token for value in values for token in shlex.split(value))
+
+
+def env_server_args() -> tuple[str, ...]:
+    """The e2e suite's extra server arguments (SGLANG_SM120_E2E_SERVER_ARGS)."""
+    return split_server_args(os.environ.get(SERVER_ARGS_ENV))
 
 
 def gpu_count() -> int:
@@ -246,6 +267,7 @@ class Launch:
     prompts: tuple[str, ...] = ()
     max_new_tokens: int = GREEDY_TOKENS
     plugin: bool = True
+    extra_args: tuple[str, ...] = ()  # site-specific flags, after ours (the last one wins)
 
     @property
     def name(self) -> str:
@@ -291,7 +313,7 @@ class Launch:
                 "--speculative-num-draft-tokens",
                 str(draft_tokens),
             ]
-        return args + BACKEND_SERVER_ARGS[self.backend]
+        return [*args, *BACKEND_SERVER_ARGS[self.backend], *self.extra_args]
 
 
 @dataclass

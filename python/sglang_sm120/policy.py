@@ -20,6 +20,9 @@ Rules (the README's table; test/unit/test_policy.py checks each row):
 * The user's explicit choices win (``--enforce-disable-flashinfer-allreduce-fusion``, an explicit
   backend, ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``, also over ``sm120_pcie``'s plain all-reduce)
   unless the hardware cannot run them: then the choice is refused with its reason and NCCL is used.
+* Validation mode (``SGLANG_SM120_ANY_ARCH=1``, ``any_arch``): GPUs of compute capability 9.0
+  and above count as in scope, with the same rules and P2P requirements as SM12x, so the managed
+  path can be validated on H100/H200 machines. Every reason that follows says so; never a default.
 * The GPUs judged are the ones SGLang gives this node's ranks (``Deployment.gpu_ids``:
   ``--base-gpu-id``, ``--gpu-id-step``, PP stages, DP replicas), not simply the first ``tp``
   visible ones.
@@ -33,7 +36,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_sm120.facts import HostFacts, describe_gpus
+from sglang_sm120.facts import GpuInfo, HostFacts, describe_gpus
 from sglang_sm120.tuning import (
     SM120_PCIE_ROUTES,
     UNFUSED_MIN_GAIN,
@@ -50,6 +53,16 @@ PLUGIN_BACKEND_ENV = "SGLANG_SM120_FUSION_BACKEND"
 PLUGIN_BACKEND_CHOICES = ("auto", "off", "trtllm", "sm120_pcie")
 FUSION_AUTO_TP_SIZES = (2,)
 FUSION_BACKENDS_RUNNABLE_ON_SM12X = ("auto", "trtllm")
+VALIDATION_ENV = "SGLANG_SM120_ANY_ARCH"
+VALIDATION_MIN_CAPABILITY = (9, 0)
+VALIDATION_NOTE = (
+    f"validation mode ({VALIDATION_ENV}=1): non-SM12x GPUs managed as if SM12x, for testing only"
+)
+
+
+def in_scope(gpu: GpuInfo, any_arch: bool = False) -> bool:
+    """Whether the plugin manages this GPU: SM12x, or in validation mode any SM90+ GPU."""
+    return gpu.capability[0] == 12 or (any_arch and gpu.capability >= VALIDATION_MIN_CAPABILITY)
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class Deployment:
     ray: bool = False  # --use-ray: the actors never load SGLang plugins
     disaggregation: bool = False  # PD disaggregation: a prefill server sends KV, not tokens
     custom_all_reduce: bool = True  # upstream's custom all-reduce (--disable-custom-all-reduce)
+    any_arch: bool = False  # validation mode (SGLANG_SM120_ANY_ARCH=1): SM90+ managed as SM12x
 
     def used_gpu_ids(self) -> tuple[int, ...]:
         """Every GPU the node's ranks use (all must be SM12x with P2P between them)."""
@@ -87,10 +101,11 @@ class Deployment:
 class Capability:
     """What the hardware of a TP group allows, independent of server args."""
 
-    sm12x: bool
+    sm12x: bool  # in scope: SM12x, or any SM90+ GPU in validation mode (``validation``)
     fusion_capable: bool
     pcie_ipc_capable: bool
     reasons: tuple[str, ...]
+    validation: bool = False  # in scope only through validation mode
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,6 +113,7 @@ class Capability:
             "fusion_capable": self.fusion_capable,
             "pcie_ipc_capable": self.pcie_ipc_capable,
             "reasons": list(self.reasons),
+            "validation": self.validation,
         }
 
     @classmethod
@@ -107,6 +123,7 @@ class Capability:
             fusion_capable=bool(data["fusion_capable"]),
             pcie_ipc_capable=bool(data["pcie_ipc_capable"]),
             reasons=tuple(str(r) for r in data["reasons"]),
+            validation=bool(data.get("validation", False)),
         )
 
 
@@ -179,21 +196,33 @@ class AllReducePlan:
         )
 
 
-def hardware_capability(facts: HostFacts, gpu_ids: Sequence[int] | None = None) -> Capability:
-    """Whether the GPUs ``gpu_ids`` (default: every visible GPU) are SM12x, and what their
-    links allow."""
+def hardware_capability(
+    facts: HostFacts, gpu_ids: Sequence[int] | None = None, *, any_arch: bool = False
+) -> Capability:
+    """Whether the GPUs ``gpu_ids`` (default: every visible GPU) are SM12x (or, with
+    ``any_arch``, SM90+ in validation mode), and what their links allow."""
     if facts.probe_error and not facts.gpus:
         return Capability(False, False, False, (f"no GPU facts: {facts.probe_error}",))
     gpus = facts.gpus_at(gpu_ids if gpu_ids is not None else range(len(facts.gpus)))
     if not gpus:
         return Capability(False, False, False, ("no NVIDIA GPU visible",))
-    if any(g.capability[0] != 12 for g in gpus):
+    if not all(in_scope(g, any_arch) for g in gpus):
+        scope = "below SM90 even in validation mode" if any_arch else "not SM12x"
         return Capability(
             False,
             False,
             False,
-            (f"{describe_gpus(gpus)}: not SM12x, upstream behaviour untouched",),
+            (f"{describe_gpus(gpus)}: {scope}, upstream behaviour untouched",),
         )
+    cap = _in_scope_capability(facts, gpus)
+    if all(g.capability[0] == 12 for g in gpus):
+        return cap
+    first = f"{cap.reasons[0]}; {VALIDATION_NOTE}"
+    return dataclasses.replace(cap, reasons=(first, *cap.reasons[1:]), validation=True)
+
+
+def _in_scope_capability(facts: HostFacts, gpus: Sequence[GpuInfo]) -> Capability:
+    """What the links between GPUs the plugin manages allow."""
     indices = [g.index for g in gpus]
     missing = facts.missing_p2p_pairs(indices)
     if len(gpus) < 2:
@@ -377,7 +406,7 @@ def plan_allreduce(
 ) -> AllReducePlan:
     """The all-reduce plan for one launch. Pure: same inputs, same plan."""
     gpu_ids = deployment.used_gpu_ids()
-    cap = hardware_capability(facts, gpu_ids)
+    cap = hardware_capability(facts, gpu_ids, any_arch=deployment.any_arch)
     if not cap.sm12x:
         return AllReducePlan(False, None, "upstream", cap.reasons)
     if deployment.nnodes == 1 and len(facts.gpus_at(gpu_ids)) < len(gpu_ids):

@@ -31,10 +31,12 @@ from sglang_sm120.facts import current_facts
 from sglang_sm120.policy import (
     PLUGIN_BACKEND_CHOICES,
     PLUGIN_BACKEND_ENV,
+    VALIDATION_ENV,
     AllReducePlan,
     Capability,
     Deployment,
     hardware_capability,
+    in_scope,
     plan_allreduce,
 )
 from sglang_sm120.tuning import load_table
@@ -96,13 +98,21 @@ def logging_configured(first: str) -> None:
         logger.log(level, message)
 
 
+def validation_mode() -> bool:
+    """SGLANG_SM120_ANY_ARCH=1: manage SM90+ GPUs as if SM12x, to validate the managed path on
+    H100/H200 machines. Only "1" turns it on: a test switch is never on by accident."""
+    return os.environ.get(VALIDATION_ENV, "").strip() == "1"
+
+
 @functools.cache
 def sm12x_capability() -> Capability:
-    """What the visible SM12x GPUs allow (every visible GPU when none is SM12x): the launcher's
-    first look, before server args say which GPUs the TP group uses."""
+    """What the visible GPUs the plugin manages allow (SM12x, or SM90+ in validation mode; every
+    visible GPU when none is): the launcher's first look, before server args say which GPUs the
+    TP group uses."""
     facts = current_facts()
-    sm12x = [g.index for g in facts.gpus if g.capability[0] == 12]
-    return hardware_capability(facts, sm12x or None)
+    any_arch = validation_mode()
+    managed = [g.index for g in facts.gpus if in_scope(g, any_arch)]
+    return hardware_capability(facts, managed or None, any_arch=any_arch)
 
 
 def fusion_archs() -> frozenset[str]:
@@ -193,6 +203,7 @@ def deployment_from_view(view: Any) -> Deployment:
         ray=bool(view.use_ray),
         disaggregation=view.disaggregation_mode not in (None, "null"),
         custom_all_reduce=not view.disable_custom_all_reduce,
+        any_arch=validation_mode(),
     )
     return with_tuning(deployment, model_config.hidden_size, dtype)
 
@@ -210,7 +221,9 @@ def plan_for_view(view: Any) -> AllReducePlan:
     if plan.managed:
         tp = deployment.tp_size
         log_once(logging.INFO, f"sglang-sm120 plan (server args, tp={tp}): {plan.summary()}")
-    capability = hardware_capability(current_facts(), deployment.used_gpu_ids())
+    capability = hardware_capability(
+        current_facts(), deployment.used_gpu_ids(), any_arch=deployment.any_arch
+    )
     os.environ[LAUNCH_PLAN_ENV] = json.dumps(
         {
             "tp_size": deployment.tp_size,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import shutil
 import signal
 import sys
@@ -38,6 +39,7 @@ from typing import Any
 
 from sglang_sm120 import __version__, e2e
 from sglang_sm120.facts import HostFacts, describe_gpus, probe_host
+from sglang_sm120.policy import VALIDATION_NOTE
 
 FIXTURES = ("deepseek_v3", "llama")
 STATS_KEY_PEER_ERROR = "peer_error"
@@ -423,6 +425,8 @@ def _launch(runs: e2e.ServerRuns, launch: e2e.Launch) -> Outcome:
 
 def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -> dict[str, Any]:
     """Both servers, then the verdict; the report as data."""
+    from sglang_sm120.runtime import validation_mode
+
     progress = Progress()
     if args.target:
         pair = Pair.at(args.target, args.draft)
@@ -446,7 +450,8 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
         plan = None
     prompts, max_new_tokens = pair.prompts()
     runs = e2e.ServerRuns(work / "runs", log_dir, progress)
-    common = {"tp": tp, "prompts": prompts, "max_new_tokens": max_new_tokens}
+    extra = e2e.split_server_args(args.server_arg)
+    common = {"tp": tp, "prompts": prompts, "max_new_tokens": max_new_tokens, "extra_args": extra}
     reference = _launch(runs, e2e.Launch(pair.target, backend="off", plugin=False, **common))
     spec = _launch(runs, e2e.Launch(pair.target, backend=args.backend, draft=pair.draft, **common))
     checks = evaluate(
@@ -463,6 +468,8 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
         "sglang_sm120": __version__,
         "tp": tp,
         "backend": args.backend,
+        "validation_mode": validation_mode(),
+        "server_args": list(extra),
         "target": pair.target if args.target else f"tiny {args.fixture} ({arch})",
         "draft": pair.draft if args.target else "tiny EAGLE-3 draft",
         "plan": plan,
@@ -478,6 +485,10 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
+    try:
+        e2e.split_server_args(args.server_arg)
+    except ValueError as exc:
+        return f"--server-arg {args.server_arg}: {exc}"
     if bool(args.target) != bool(args.draft):
         return "--target and --draft go together"
     if args.tp is not None and args.tp < 1:
@@ -497,7 +508,12 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 def print_report(report: dict[str, Any], out: Any) -> None:
     checks = [Check(**c) for c in report["checks"]]
     failed = sum(not c.passed for c in checks)
-    lines = [*plan_lines(report["plan"], report["tp"], report["backend"]), ""]
+    lines = []
+    if report.get("validation_mode"):
+        lines.append(f"VALIDATION MODE ON: {VALIDATION_NOTE}; not a result for SM12x hardware")
+    if report.get("server_args"):
+        lines.append(f"extra server arguments: {shlex.join(report['server_args'])}")
+    lines += [*plan_lines(report["plan"], report["tp"], report["backend"]), ""]
     lines += [format_verdict(checks), ""]
     lines.append(
         f"FAIL: {failed} of {len(checks)} checks" if failed else f"PASS: all {len(checks)} checks"
@@ -565,4 +581,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--min-accept", type=float, help="accept length the pair must reach")
     parser.add_argument("--keep-logs", metavar="DIR", help="write server logs here and keep them")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        metavar="ARG",
+        help="extra argument for both servers, repeatable, split as a shell would; write it "
+        "with '=' since it starts with '--': --server-arg=--attention-backend=triton",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON (stdout)")

@@ -39,6 +39,7 @@ from sglang_sm120.e2e import (
     ServerRuns,
     chat_prompts,
     env_list,
+    env_server_args,
     gpu_count,
     hidden_size,
     known_threshold,
@@ -114,7 +115,14 @@ class Case:
 
     def _launch(self, draft: str | None) -> Launch:
         return Launch(
-            self.target, self.tp, self.backend, draft, self.tree, self.prompts, self.max_new_tokens
+            self.target,
+            self.tp,
+            self.backend,
+            draft,
+            self.tree,
+            self.prompts,
+            self.max_new_tokens,
+            extra_args=env_server_args(),
         )
 
 

@@ -176,3 +176,25 @@ def test_doctor_says_when_there_is_no_tuning_table(tmp_path):
     proc = run_cli("doctor", "--json", "--tp", "8", "--model-arch", KIMI, env=env)
     reasons = json.loads(proc.stdout)["plan"]["reasons"]
     assert any("no tuning table" in r and "sglang-sm120 tune --tp 8" in r for r in reasons)
+
+
+def test_doctor_in_validation_mode_manages_an_sm90_host_and_says_so():
+    env = {"SGLANG_SM120_TOPOLOGY": "h200-x8-nvlink", "SGLANG_SM120_ANY_ARCH": "1"}
+    proc = run_cli("doctor", "--json", "--tp", "2", "--model-arch", KIMI, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["validation_mode"] is True
+    assert report["plan"]["managed"] is True and report["plan"]["fusion_backend"] == "trtllm"
+    assert "validation mode (SGLANG_SM120_ANY_ARCH=1)" in report["plan"]["reasons"][0]
+    assert report["patches"]["resolve_backend"] == "applied"
+    text = run_cli("doctor", "--tp", "2", "--model-arch", KIMI, env=env).stdout
+    assert "VALIDATION MODE ON: validation mode (SGLANG_SM120_ANY_ARCH=1)" in text
+
+
+def test_doctor_without_validation_mode_leaves_an_sm90_host_alone():
+    env = {"SGLANG_SM120_TOPOLOGY": "h200-x8-nvlink"}
+    report = json.loads(
+        run_cli("doctor", "--json", "--tp", "2", "--model-arch", KIMI, env=env).stdout
+    )
+    assert report["validation_mode"] is False and report["plan"]["managed"] is False
+    assert report["patches"]["resolve_backend"].startswith("not needed (8x NVIDIA H200 (SM90)")

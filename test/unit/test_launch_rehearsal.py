@@ -125,3 +125,24 @@ def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path)
     assert plan.startswith("fusion=sm120_pcie, plain all-reduce=nccl; ")
     assert "from the tuning table: sm120_pcie at [4], nccl at [64] tokens" in plan
     assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user" in plan
+
+
+VALIDATION = {"SGLANG_SM120_TOPOLOGY": "h200-x8-nvlink", "SGLANG_SM120_ANY_ARCH": "1"}
+
+
+def test_validation_mode_manages_an_sm90_host_in_the_launcher_and_its_workers(deepseek):
+    log = launch([sys.executable, "-m", "sglang.launch_server"], deepseek, VALIDATION)
+    plan = check_same_plan_everywhere(log)
+    assert plan.startswith("fusion=trtllm, plain all-reduce=upstream; ")
+    assert "validation mode (SGLANG_SM120_ANY_ARCH=1)" in plan
+    status, _ = lines_of(log)
+    for lines in status.values():
+        assert "validation mode (SGLANG_SM120_ANY_ARCH=1)" in lines[0]
+
+
+def test_without_validation_mode_an_sm90_host_is_left_to_upstream(deepseek):
+    env = {**VALIDATION, "SGLANG_SM120_ANY_ARCH": "0"}
+    log = launch([sys.executable, "-m", "sglang.launch_server"], deepseek, env)
+    status, plans = lines_of(log)
+    assert status == {} and plans == {}, log[-4000:]
+    assert "sglang-sm120" not in log, log[-4000:]

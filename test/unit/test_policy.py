@@ -820,3 +820,83 @@ def test_with_nvlink_custom_all_reduce_takes_declined_points_at_any_tp():
     assert any("with NVLink upstream's custom all-reduce takes" in r for r in plan.reasons)
     free = plan_allreduce(nvlink, dataclasses.replace(d, custom_all_reduce=False), ARCHS)
     assert "nccl" in dict(free.routes).values()
+
+
+# --- validation mode (SGLANG_SM120_ANY_ARCH=1) --------------------------------------------------
+
+VALIDATION_ROWS = [
+    # id, facts, deployment, managed, fusion_backend, plain_allreduce
+    ("h200 tp2 untouched without it", H200, D(2, model_arch=DSV3), False, None, "upstream"),
+    (
+        "h200 tp2 managed, NVLink rules hold",
+        H200,
+        D(2, model_arch=DSV3, any_arch=True),
+        True,
+        "trtllm",
+        "upstream",
+    ),
+    (
+        "h200 tp8 managed, fusion off by default",
+        H200,
+        D(8, model_arch=DSV3, any_arch=True),
+        True,
+        None,
+        "upstream",
+    ),
+    (
+        "sm90 over PCIe managed like SM12x",
+        host(n=4, cap=(9, 0)),
+        D(4, model_arch=DSV3, any_arch=True),
+        True,
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "sm90 pair without P2P: NCCL, as on SM12x",
+        host(n=2, cap=(9, 0), p2p="none"),
+        D(2, model_arch=DSV3, any_arch=True),
+        True,
+        None,
+        "nccl",
+    ),
+    (
+        "sm80 stays out of scope",
+        host(n=2, cap=(8, 0)),
+        D(2, any_arch=True),
+        False,
+        None,
+        "upstream",
+    ),
+    ("one h200: tp1", H200, D(1, model_arch=DSV3, any_arch=True), True, None, "none"),
+]
+
+
+@pytest.mark.parametrize(
+    "facts,deployment,managed,fusion,plain",
+    [pytest.param(*row[1:], id=row[0]) for row in VALIDATION_ROWS],
+)
+def test_validation_mode_table(facts, deployment, managed, fusion, plain):
+    plan = plan_allreduce(facts, deployment, ARCHS)
+    assert (plan.managed, plan.fusion_backend, plan.plain_allreduce) == (managed, fusion, plain)
+
+
+def test_validation_mode_says_so_in_the_first_reason_and_the_capability():
+    from sglang_sm120.policy import VALIDATION_NOTE
+
+    plan = plan_allreduce(H200, D(2, model_arch=DSV3, any_arch=True), ARCHS)
+    assert VALIDATION_NOTE in plan.reasons[0]
+    cap = hardware_capability(H200, range(2), any_arch=True)
+    assert cap.validation and VALIDATION_NOTE in cap.reasons[0]
+    assert type(cap).from_json(cap.to_json()) == cap
+
+
+def test_validation_mode_changes_nothing_on_sm12x():
+    deployment = D(8, model_arch=KIMI)
+    on = plan_allreduce(PCIE8, dataclasses.replace(deployment, any_arch=True), ARCHS)
+    assert on == plan_allreduce(PCIE8, deployment, ARCHS)
+    assert not hardware_capability(PCIE8, any_arch=True).validation
+
+
+def test_validation_mode_below_sm90_says_why():
+    cap = hardware_capability(host(n=2, cap=(8, 0)), any_arch=True)
+    assert not cap.sm12x and "below SM90 even in validation mode" in cap.reasons[0]

@@ -357,3 +357,74 @@ def test_a_target_whose_config_cannot_be_read_is_one_line_and_exit_2(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"sglang-sm120 selftest: cannot read the config of --target {tmp_path}")
     assert "\n" not in err
+
+
+# ---------------------------------------------------------------- extra server arguments
+
+
+def parsed_server_args(launch: e2e.Launch):
+    """The launch's command line as SGLang's own parser reads it."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    command = launch.server_args(30000)
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    return parser.parse_args(command[3:])
+
+
+def test_extra_server_arguments_come_last_so_sglang_takes_them_over_ours() -> None:
+    extra = e2e.split_server_args(["--attention-backend=triton", "--mem-fraction-static 0.2"])
+    assert extra == ("--attention-backend=triton", "--mem-fraction-static", "0.2")
+    launch = e2e.Launch("/m/t", 1, "off", extra_args=extra)
+    args = parsed_server_args(launch)
+    assert args.attention_backend == "triton"
+    assert args.mem_fraction_static == 0.2  # ours is 0.6: the site's value wins
+    assert args.enforce_disable_flashinfer_allreduce_fusion  # the backend's own flag stays
+    assert parsed_server_args(e2e.Launch("/m/t", 1, "off")).attention_backend is None
+
+
+def test_selftest_takes_repeated_server_args_in_both_spellings() -> None:
+    from sglang_sm120.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["selftest", "--server-arg=--attention-backend=triton", "--server-arg", "--nccl-port 1"]
+    )
+    assert e2e.split_server_args(args.server_arg) == (
+        "--attention-backend=triton",
+        "--nccl-port",
+        "1",
+    )
+
+
+def test_the_e2e_suite_reads_its_server_args_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(e2e.SERVER_ARGS_ENV, "--attention-backend triton --disable-radix-cache")
+    assert e2e.env_server_args() == ("--attention-backend", "triton", "--disable-radix-cache")
+    monkeypatch.delenv(e2e.SERVER_ARGS_ENV)
+    assert e2e.env_server_args() == ()
+
+
+def test_an_unbalanced_quote_in_a_server_arg_is_one_line_and_exit_2(capsys) -> None:
+    from sglang_sm120.cli import main
+
+    assert main(["selftest", "--server-arg=--chat-template 'x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sglang-sm120 selftest: --server-arg") and "quotation" in err
+
+
+def test_the_report_says_when_validation_mode_and_extra_server_args_were_on(capsys) -> None:
+    report = {
+        "plan": None,
+        "tp": 1,
+        "backend": "auto",
+        "checks": [],
+        "logs": None,
+        "validation_mode": True,
+        "server_args": ["--attention-backend", "triton"],
+    }
+    selftest.print_report(report, sys.stdout)
+    out = capsys.readouterr().out
+    assert out.startswith("VALIDATION MODE ON: validation mode (SGLANG_SM120_ANY_ARCH=1)")
+    assert "extra server arguments: --attention-backend triton" in out
