@@ -4,11 +4,12 @@
 #
 #   bash benchmark/live/h200_live.sh STEP OUT
 #
-# Run from the repository root on the GPU machine, after ../shared/tools/sglang-device-pack's
-# parts were carried to .devrun/sgpack/ (one part per call) and the two wheels of this checkout
-# (`pip wheel --no-deps . ./sgl-kernel-sm120 -w .devrun/wheels`) to .devrun/wheels/. Steps, each
-# writing its JSON and logs to OUT and printing its time:
-#   setup     unpack the pack into /tmp/site, install both wheels there, print versions
+# Run from the repository root on the GPU machine. ../shared/tools/sglang-device-pack's parts are
+# carried one per call, each copied at once to /tmp/parts (a call's carried paths do not stay in
+# the checkout there; /tmp does while the machine is warm), the last with setup.sh and the two
+# wheels of this checkout (`pip wheel --no-deps . ./sgl-kernel-sm120 -w .devrun/wheels`). Steps,
+# each writing its JSON and logs to OUT and printing its time:
+#   setup     unpack /tmp/parts into /tmp/site, install both wheels there, print versions
 #   inspect   doctor (text and --json, with and without validation mode), p2p, warmup
 #   selftest  FIXTURE ANY_ARCH [EXTRA...]: one selftest --tp 1 (ANY_ARCH 1 or 0)
 #   e2e       the test/e2e suite at TP1 in validation mode (backend auto)
@@ -25,7 +26,7 @@ took() { echo "[$STEP] $1: $((SECONDS - t0)) s" | tee -a "$OUT/times.txt"; }
 
 case $STEP in
 setup)
-  bash .devrun/sgpack/setup.sh .devrun/sgpack 2>&1 | tail -n 6
+  bash /tmp/parts/setup.sh /tmp/parts 2>&1 | tail -n 6
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
       .devrun/wheels/*.whl
   sglang-sm120 --version | tee "$OUT/version.txt"

@@ -54,6 +54,7 @@ class WarmupTarget:
     cache_dir: str
     arguments: Callable[[int], tuple[Any, ...]] = lambda vocab_size: ()
     supported_majors: tuple[int, ...] | None = None
+    min_gpus: int = 1  # a server with fewer GPUs never loads it
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,9 @@ class WarmupStep:
     seconds: float
 
 
+# The kernels every EAGLE-3 server needs come first: the fusion module takes minutes to build
+# (over 6 on the 1x H200 with 16 cores), and a warmup cut short should still have built them.
 WARMUP_TARGETS = (
-    WarmupTarget(
-        name="FlashInfer TRT-LLM all-reduce fusion module (trtllm_comm)",
-        package="flashinfer",
-        function="flashinfer.comm.trtllm_ar:get_trtllm_comm_module",
-        cache_dir="flashinfer.jit.env:FLASHINFER_JIT_DIR",
-        # flashinfer/jit/comm.py gen_trtllm_comm_module: supported_major_versions=[9, 10, 12].
-        supported_majors=(9, 10, 12),
-    ),
     WarmupTarget(
         name="SGLang EAGLE tree build + greedy verify kernels (speculative_tree)",
         package="sglang",
@@ -87,6 +82,15 @@ WARMUP_TARGETS = (
         # EAGLE verify (srt/speculative/eagle_utils.py) calls tree_speculative_sampling_target_only
         # with deterministic=True, which builds _jit_sampling_module(gcd(4, vocab), True).
         arguments=lambda vocab_size: (math.gcd(4, vocab_size), True),
+    ),
+    WarmupTarget(
+        name="FlashInfer TRT-LLM all-reduce fusion module (trtllm_comm)",
+        package="flashinfer",
+        function="flashinfer.comm.trtllm_ar:get_trtllm_comm_module",
+        cache_dir="flashinfer.jit.env:FLASHINFER_JIT_DIR",
+        # flashinfer/jit/comm.py gen_trtllm_comm_module: supported_major_versions=[9, 10, 12].
+        supported_majors=(9, 10, 12),
+        min_gpus=2,  # the fused all-reduce runs at TP >= 2 only
     ),
 )
 
@@ -122,6 +126,16 @@ def visible_capability() -> tuple[int, int] | None:
         return None
 
 
+def visible_gpu_count() -> int:
+    """How many GPUs torch sees (0 without a usable GPU)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
 def _one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else ""
@@ -129,10 +143,19 @@ def _one_line(error: BaseException) -> str:
 
 
 def _skip_reason(
-    target: WarmupTarget, capability: tuple[int, int] | None, has_gpu: bool | None
+    target: WarmupTarget,
+    capability: tuple[int, int] | None,
+    has_gpu: bool | None,
+    gpu_count: int | None,
 ) -> str | None:
     if importlib.util.find_spec(target.package) is None:
         return f"{target.package} is not installed"
+    if gpu_count is not None and 0 < gpu_count < target.min_gpus:
+        plural = "s" if gpu_count > 1 else ""
+        return (
+            f"{gpu_count} GPU{plural} visible: no all-reduce to fuse "
+            f"(a server builds it at TP >= {target.min_gpus})"
+        )
     if capability is not None and target.supported_majors is not None:
         if capability[0] not in target.supported_majors:
             majors = "/".join(f"SM{major}x" for major in target.supported_majors)
@@ -192,28 +215,31 @@ def _live_bar(total: int, stream: TextIO) -> Iterator[Any]:
 def run_warmup(
     capability: tuple[int, int] | None = None,
     *,
+    gpu_count: int | None = None,
     dry_run: bool = False,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     progress: TextIO | None = None,
 ) -> list[WarmupStep]:
     """Build (or find cached) every JIT module in WARMUP_TARGETS; safe to run repeatedly.
 
-    `capability` is the GPU's (major, minor) when the caller already knows it (from facts);
-    otherwise torch is asked. A dry run lists the steps and what would stop them, and neither
-    imports the upstream packages nor needs a GPU. `progress`: a stream for a line when each
-    step starts and ends (with its time), plus a live bar when it is a terminal.
+    `capability` is the GPU's (major, minor) and `gpu_count` how many GPUs the server gets, when
+    the caller already knows them (from facts); otherwise torch is asked. A dry run lists the
+    steps and what would stop them, and neither imports the upstream packages nor needs a GPU.
+    `progress`: a stream for a line when each step starts and ends (with its time), plus a live
+    bar when it is a terminal.
     """
     has_gpu: bool | None = None
     if not dry_run:
         visible = visible_capability()
         has_gpu = visible is not None
         capability = capability or visible
+        gpu_count = gpu_count if gpu_count is not None else visible_gpu_count()
     steps = []
     total = len(WARMUP_TARGETS)
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(_live_bar(total, progress)) if progress else None
         for number, target in enumerate(WARMUP_TARGETS, 1):
-            reason = _skip_reason(target, capability, has_gpu)
+            reason = _skip_reason(target, capability, has_gpu, gpu_count)
             if reason is not None:
                 step = WarmupStep(target.name, target.function, f"skipped: {reason}", 0.0)
             elif dry_run:

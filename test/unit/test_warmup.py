@@ -193,3 +193,24 @@ def test_progress_says_when_each_step_starts_and_ends(fake_jit_module: str, monk
         "[1/1] fake: building...",
         f"[1/1] fake: built ({step.seconds:.1f} s)",
     ]
+
+
+def test_one_gpu_skips_the_all_reduce_fusion_build_with_the_reason():
+    """Seen live on the 1x H200: trtllm_comm built for over 6 minutes although a one-GPU
+    server has no all-reduce to fuse, and the EAGLE kernels waited behind it."""
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer is not installed")
+    steps = {s.target: s for s in run_warmup((9, 0), gpu_count=1, dry_run=True)}
+    [trtllm] = [s for t, s in steps.items() if "trtllm_ar" in t]
+    assert trtllm.status == (
+        "skipped: 1 GPU visible: no all-reduce to fuse (a server builds it at TP >= 2)"
+    )
+    two = run_warmup((9, 0), gpu_count=2, dry_run=True)
+    assert [s.status for s in two if "trtllm_ar" in s.target] == ["skipped: dry run"]
+
+
+def test_the_kernels_every_eagle3_server_needs_are_built_before_the_fusion_module():
+    order = [target.function for target in WARMUP_TARGETS]
+    fusion = next(i for i, f in enumerate(order) if "trtllm_ar" in f)
+    speculative = [i for i, f in enumerate(order) if ".speculative." in f]
+    assert speculative and max(speculative) < fusion
