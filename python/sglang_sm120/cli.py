@@ -121,17 +121,37 @@ def _check_tp(facts: HostFacts, tp_size: int, nnodes: int) -> None:
 
 def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> None:
     parser.add_argument(
-        "--tp", type=_positive_int, required=tp_required, help="tensor-parallel size"
+        "--tp",
+        type=_positive_int,
+        required=tp_required,
+        help="tensor-parallel size" + ("" if tp_required else " (default: every GPU here)"),
     )
-    parser.add_argument("--model-arch", help="e.g. KimiK25ForConditionalGeneration")
-    parser.add_argument("--nnodes", type=_positive_int, default=1)
-    parser.add_argument("--attention-dp", action="store_true")
-    parser.add_argument("--moe-a2a-backend", default="none")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--model-arch",
+        help="the model's architecture (config.json), e.g. KimiK25ForConditionalGeneration",
+    )
+    parser.add_argument(
+        "--nnodes", type=_positive_int, default=1, help="as SGLang's --nnodes (default 1)"
+    )
+    parser.add_argument(
+        "--attention-dp", action="store_true", help="as SGLang's --enable-dp-attention"
+    )
+    parser.add_argument(
+        "--moe-a2a-backend", default="none", help="as SGLang's --moe-a2a-backend (default none)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the model's dtype, as SGLang's --dtype (default bfloat16)",
+    )
     parser.add_argument(
         "--fusion-backend", help="as --flashinfer-allreduce-fusion-backend (auto, trtllm, ...)"
     )
-    parser.add_argument("--enforce-disable-fusion", action="store_true")
+    parser.add_argument(
+        "--enforce-disable-fusion",
+        action="store_true",
+        help="as SGLang's --enforce-disable-flashinfer-allreduce-fusion",
+    )
     parser.add_argument(
         "--disable-custom-all-reduce",
         action="store_true",
@@ -143,9 +163,12 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
         help=f"as {PLUGIN_BACKEND_ENV} (default: that variable)",
     )
     parser.add_argument(
-        "--hidden", type=_positive_int, default=7168, help="model hidden size (tuning table)"
+        "--hidden",
+        type=_positive_int,
+        default=7168,
+        help="the model's hidden size, to pick the tuning table (default 7168)",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--json", action="store_true", help="print JSON (for a program)")
 
 
 def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
@@ -443,20 +466,35 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
     plan = sub.add_parser("plan", help="the plan for a machine described by a profile or file")
     source = plan.add_mutually_exclusive_group(required=True)
-    source.add_argument("--profile", choices=profile_names())
+    source.add_argument(
+        "--profile", choices=profile_names(), help="an embedded machine profile (see: profiles)"
+    )
     source.add_argument("--topology", help="topology JSON file (format of the embedded profiles)")
     _add_deployment_args(plan, tp_required=True)
     plan.set_defaults(func=cmd_plan)
     tune = sub.add_parser("tune", help="measure all-reduce backends here, write the tuning table")
-    tune.add_argument("--tp", type=_positive_int, required=True)
-    tune.add_argument("--hidden", type=_positive_int, default=7168)
-    tune.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    tune.add_argument(
+        "--tp", type=_positive_int, required=True, help="ranks to measure, one per GPU"
+    )
+    tune.add_argument(
+        "--hidden", type=_positive_int, default=7168, help="the model's hidden size (default 7168)"
+    )
+    tune.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16"),
+        help="the model's dtype (default bfloat16)",
+    )
     tune.add_argument(
         "--tokens", type=_positive_int, nargs="+", help="token counts (default 1..2048)"
     )
-    tune.add_argument("--calls", type=_positive_int, default=20, help="calls per captured graph")
-    tune.add_argument("--replays", type=_positive_int, default=10)
-    tune.add_argument("--json", action="store_true")
+    tune.add_argument(
+        "--calls", type=_positive_int, default=20, help="calls per captured graph (default 20)"
+    )
+    tune.add_argument(
+        "--replays", type=_positive_int, default=10, help="graph replays timed (median; default 10)"
+    )
+    tune.add_argument("--json", action="store_true", help="print the table as JSON")
     tune.set_defaults(func=cmd_tune)
     warmup = sub.add_parser("warmup", help="compile the server's JIT kernels for this GPU ahead")
     warmup.add_argument("--dry-run", action="store_true", help="list the steps, build nothing")

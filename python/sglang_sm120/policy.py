@@ -7,7 +7,7 @@ facts they were given. Two questions are answered:
   patches that load before server args exist);
 - ``plan_allreduce(facts, deployment, fusion_archs)``: what a given server launch should use.
 
-Rules (the README's table; test/unit/test_policy.py checks each row):
+Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
 
 * Not every TP GPU is SM12x: upstream behaviour, untouched (``managed`` is False).
 * Fused all-reduce + residual + RMSNorm (FlashInfer ``trtllm``): allowed on SM12x single node

@@ -27,7 +27,7 @@ MAX_NODES = 1024
 CAPABILITY_MAJORS = range(1, 21)
 CAPABILITY_MINORS = range(10)
 
-#: key -> (required, what it holds); the README's topology table follows this.
+#: key -> (required, what it holds); the tables of docs/topology.md follow this.
 TOPOLOGY_KEYS: dict[str, tuple[bool, str]] = {
     "gpus": (True, f"list of 0..{MAX_GPUS} GPU objects, in CUDA order ([]: a host without GPU)"),
     "p2p": (True, '"all", "none", or an N x N matrix of true/false (row a, column b: a -> b)'),

@@ -62,12 +62,12 @@ def test_every_embedded_profile_follows_the_schema_and_describes_itself():
         assert load_profile(name).gpus and description, name
 
 
-def test_readme_documents_every_topology_key():
+def test_docs_topology_page_documents_every_topology_key():
     from pathlib import Path
 
     from sglang_sm120.topology import GPU_KEYS, TOPOLOGY_KEYS
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Topology files", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "topology.md").read_text()
+    section = page.split("## Keys", 1)[1].split("\n## ", 1)[0]
     for key in [*TOPOLOGY_KEYS, *GPU_KEYS]:
-        assert f"`{key}`" in section, key
+        assert f"| `{key}` |" in section, key

@@ -29,16 +29,24 @@ from sglang_sm120.kernel_images import (
 )
 
 
-def _find_nvcc() -> str | None:
-    for candidate in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+def _find_nvcc() -> list[str] | None:
+    """nvcc as the kernel build finds it (CUDACXX, PATH, /usr/local/cuda), plus the library
+    folder PyPI's nvcc needs: its nvcc.profile says lib64, the wheels ship lib (CMakeLists.txt)."""
+    for candidate in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
         if candidate and os.access(candidate, os.X_OK):
-            return candidate
+            root = Path(candidate).resolve().parents[1]
+            pypi_layout = not (root / "lib64" / "libcudadevrt.a").exists()
+            if pypi_layout and (root / "lib" / "libcudadevrt.a").exists():
+                return [candidate, f"-L{root / 'lib'}"]
+            return [candidate]
     return None
 
 
 NVCC = _find_nvcc()
 CUOBJDUMP = find_cuobjdump()
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda)")
+needs_nvcc = pytest.mark.skipif(
+    NVCC is None, reason="nvcc not found (CUDACXX, PATH, /usr/local/cuda)"
+)
 needs_cuobjdump = pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found")
 
 KERNEL_SOURCE = """
@@ -118,13 +126,13 @@ BUILDS: dict[str, tuple[list[str], tuple[str, ...], tuple[str, ...]]] = {
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Compile every entry of BUILDS (in parallel: each nvcc call takes ~2 s)."""
     if NVCC is None:
-        pytest.skip("nvcc not found (PATH, /usr/local/cuda)")
+        pytest.skip("nvcc not found (CUDACXX, PATH, /usr/local/cuda)")
     directory = tmp_path_factory.mktemp("kernel_images")
     source = directory / "add_one.cu"
     source.write_text(KERNEL_SOURCE)
     jobs = {
         name: subprocess.Popen(
-            [NVCC, *arguments, "-o", str(directory / name), str(source)],
+            [*NVCC, *arguments, "-o", str(directory / name), str(source)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -151,7 +159,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ],
         ["-shared", "-gencode", "arch=compute_80,code=sm_80", "-o", str(link_stub), str(objects)],
     ):
-        subprocess.run([NVCC, *arguments], check=True, capture_output=True)
+        subprocess.run([*NVCC, *arguments], check=True, capture_output=True)
     return {name: directory / name for name in BUILDS} | {link_stub.name: link_stub}
 
 

@@ -1,4 +1,4 @@
-"""The policy as a table: each row is a README rule a reviewer can check by eye.
+"""The policy as a table: each row is a docs/routing.md rule a reviewer can check by eye.
 
 Columns: host profile x tp x nnodes x attention-DP x MoE a2a x model arch x user flags ->
 expected fusion backend and plain all-reduce. Pure: no sglang, no GPU.

@@ -1,0 +1,144 @@
+"""What a user reads: every variable the code reads is documented, every CLI option has help.
+
+The variables are found by scanning the source, not listed here, so a new one fails this test
+until a page under docs/ (or README.md) names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIRS = (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python")
+BUILD_FILES = (ROOT / "sgl-kernel-sm120" / "CMakeLists.txt",)
+VARIABLE = re.compile(r"SGLANG_SM120_[A-Z0-9_]+")
+
+
+def docs_text() -> str:
+    """README.md and every page under docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return "\n".join(page.read_text() for page in pages)
+
+
+def string_literals(path: Path) -> Iterator[str]:
+    """Every string constant in a Python file: plain, docstring, or a part of an f-string."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+
+
+def variables_read() -> dict[str, set[str]]:
+    """SGLANG_SM120_* name -> the files (relative to the repository) that name it."""
+    found: dict[str, set[str]] = {}
+    texts = [
+        (path, literal)
+        for directory in SOURCE_DIRS
+        for path in sorted(directory.rglob("*.py"))
+        for literal in string_literals(path)
+    ]
+    texts += [(path, path.read_text()) for path in BUILD_FILES]
+    for path, text in texts:
+        for name in VARIABLE.findall(text):
+            found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def documented(name: str, text: str) -> bool:
+    """The whole name appears (SGLANG_SM120_E2E_TP does not document SGLANG_SM120_E2E_T)."""
+    return re.search(rf"(?<![A-Z0-9_]){re.escape(name)}(?![A-Z0-9_])", text) is not None
+
+
+def test_the_scan_finds_the_variables_we_know_of():
+    found = variables_read()
+    for name in ("SGLANG_SM120_DISABLE", "SGLANG_SM120_TIMEOUT_MS", "SGLANG_SM120_CUDA_ARCHS"):
+        assert name in found, name
+    assert len(found) >= 20, sorted(found)
+
+
+def test_every_variable_the_code_reads_is_documented():
+    text = docs_text()
+    missing = {
+        name: sorted(files)
+        for name, files in variables_read().items()
+        if not documented(name, text)
+    }
+    assert not missing, f"not in docs/ or README.md: {missing}"
+
+
+def test_a_name_is_documented_only_when_it_appears_whole():
+    assert documented("SGLANG_SM120_TP", "set `SGLANG_SM120_TP=2`")
+    assert not documented("SGLANG_SM120_T", "set `SGLANG_SM120_TP=2`")
+    assert not documented("SGLANG_SM120_TP", "set `SGLANG_SM120_TP2=2`")
+
+
+def test_every_page_under_docs_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in readme, page.name
+
+
+def test_every_relative_link_in_the_docs_points_to_a_file():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = [
+        f"{page.relative_to(ROOT)}: {link}"
+        for page in pages
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text())
+        if "://" not in link and not (page.parent / link).exists()
+    ]
+    assert broken == []
+
+
+def test_the_readme_is_short_and_starts_with_a_command():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, len(lines)
+    first_fence = next(i for i, line in enumerate(lines) if line.startswith("```"))
+    assert first_fence < 40, first_fence
+
+
+def test_the_readme_keeps_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert (
+        "pip install ./sgl-kernel-sm120 . && sglang-sm120 plan --profile rtx-pro-6000-x8-pcie "
+        "--tp 8 --model-arch KimiK25ForConditionalGeneration"
+    ) in readme
+    assert 'pip install ./sgl-kernel-sm120 ".[test]" && python -m pytest test' in readme
+
+
+def helps(parser: argparse.ArgumentParser, command: str) -> Iterator[tuple[str, str | None]]:
+    """(what, its help text) for every option and subcommand, subcommands' options included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            texts = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, subparser in action.choices.items():
+                yield f"{command} {name}", texts.get(name)
+                yield from helps(subparser, f"{command} {name}")
+        else:
+            yield f"{command} {'/'.join(action.option_strings) or action.dest}", action.help
+
+
+def cli_helps() -> dict[str, str | None]:
+    from sglang_sm120.cli import build_parser
+
+    return dict(helps(build_parser(), "sglang-sm120"))
+
+
+def test_the_walk_reaches_every_subcommand_and_selftests_own_flags():
+    found = cli_helps()
+    for command in ("doctor", "plan", "tune", "warmup", "profiles", "selftest"):
+        assert f"sglang-sm120 {command}" in found, command
+    assert "sglang-sm120 selftest --keep-logs" in found
+    assert "sglang-sm120 doctor --capability" in found
+    assert "sglang-sm120 tune --replays" in found
+
+
+def test_every_cli_option_and_subcommand_has_help():
+    unhelped = [
+        what
+        for what, text in cli_helps().items()
+        if not (text or "").strip() or text == argparse.SUPPRESS
+    ]
+    assert unhelped == []
