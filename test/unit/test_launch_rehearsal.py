@@ -125,3 +125,19 @@ def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path)
     assert plan.startswith("fusion=sm120_pcie, plain all-reduce=nccl; ")
     assert "from the tuning table: sm120_pcie at [4], nccl at [64] tokens" in plan
     assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user" in plan
+
+
+def test_launcher_plans_with_the_host_findings_and_workers_follow(deepseek):
+    """The profile's machine described by a sysfs dump with ACS redirect on its switch ports:
+    the launcher's plan turns TP2's auto trtllm (a one-shot push) off for PCIe-IPC, says why
+    with the fix, and every worker follows that plan."""
+    from fake_nvml import FIXTURES
+
+    env = {"SGLANG_SM120_SYSFS_ROOT": str(FIXTURES / "acs-on")}
+    plan = check_same_plan_everywhere(
+        launch([sys.executable, "-m", "sglang.launch_server"], deepseek, env)
+    )
+    assert plan.startswith("fusion=off, plain all-reduce=pcie_ipc; ")
+    assert "host acs: ACS redirect on PCIe switch ports" in plan
+    assert "one-shot push all-reduce disfavoured; PCIe-IPC (staged)" in plan
+    assert "(fix: disable ACS in the BIOS" in plan
