@@ -288,7 +288,7 @@ class _Host:
     bus_ids: list[str] = field(default_factory=list)  # sysfs names, CUDA order
 
     def need_gpus(self) -> None:
-        if self.nvml is None or not self.handles:
+        if not self.handles:
             raise _Unknown(f"no GPU ({self.no_nvml or 'NVML sees none'})")
 
     def sysfs_gpus(self) -> list[str]:
@@ -327,11 +327,11 @@ def _open_nvml(host: _Host, nvml: Any) -> None:
     except _Unknown as exc:
         host.no_nvml = f"NVML unavailable: {exc}"
         return
+    host.nvml = nvml  # started: shut down after the checks, whatever follows
     try:
         count = _call(nvml, "nvmlDeviceGetCount")
         indices = visible_nvml_indices(count, nvml)
         host.handles = [_call(nvml, "nvmlDeviceGetHandleByIndex", i) for i in indices]
-        host.nvml = nvml
         if not host.handles:
             host.no_nvml = "NVML sees none"
             return
@@ -529,6 +529,18 @@ def _p2p_blocked_pairs(host: _Host) -> list[str]:
     return blocked
 
 
+def _staging_reported_for(host: _Host) -> bool:
+    """Whether these GPUs are the kind the staged-P2P default is reported for (SM12x); True
+    when NVML cannot tell."""
+    try:
+        majors = {
+            _call(host.nvml, "nvmlDeviceGetCudaComputeCapability", h)[0] for h in host.handles
+        }
+    except _Unknown:
+        return True
+    return not majors or majors == {12}
+
+
 def check_p2p_driver(host: _Host) -> HostCheck:
     evidence = (
         "/proc/driver/nvidia/params (RegistryDwords), sysfs device paths (attachment), "
@@ -587,15 +599,25 @@ def check_p2p_driver(host: _Host) -> HostCheck:
             evidence,
         )
     chains = [host.bridges_above(bdf) for bdf in gpus]
-    if not gpus or any(chain is None for chain in chains):
+    if not gpus or any(not chain for chain in chains):
         return HostCheck(
             "p2p_driver",
             UNKNOWN,
-            "how the GPUs attach is not in sysfs; `sglang-sm120 p2p` measures it" + nvml_note,
+            "how the GPUs attach is not in sysfs (no bridge above a GPU: a virtual machine?); "
+            "`sglang-sm120 p2p` measures it" + nvml_note,
             "",
             evidence,
         )
-    root_ported = [bdf for bdf, chain in zip(gpus, chains, strict=True) if len(chain or []) <= 1]
+    if not _staging_reported_for(host):
+        return HostCheck(
+            "p2p_driver",
+            UNKNOWN,
+            "the driver's staged default is reported for SM12x (RTX PRO 6000, RTX 5090) hosts, "
+            "not these GPUs; `sglang-sm120 p2p` measures it" + nvml_note,
+            "",
+            evidence,
+        )
+    root_ported = [bdf for bdf, chain in zip(gpus, chains, strict=True) if len(chain or []) == 1]
     if root_ported and params is None:
         return HostCheck(
             "p2p_driver",
@@ -864,3 +886,22 @@ def format_checks(checks: Sequence[HostCheck]) -> list[str]:
                 for i, row in enumerate(c.matrix)
             ]
     return lines
+
+
+if __name__ == "__main__":  # `python -m sglang_sm120.host [--tp N] [--json]`: no sglang needed
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m sglang_sm120.host")
+    parser.add_argument("--tp", type=int, default=0, help="TP size for BAR1 (default: GPUs)")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--json", action="store_true")
+    options = parser.parse_args()
+    from sglang_sm120.facts import current_facts
+
+    tp = options.tp or max(len(current_facts().gpus), 1)
+    results = run_host_checks(tp, options.hidden)
+    if options.json:
+        print(json.dumps([c.to_json() for c in results], indent=1))
+    else:
+        print("\n".join(format_checks(results)))

@@ -163,21 +163,22 @@ def save_probe(document: dict[str, Any]) -> Path:
 
 def _read_probe(facts: HostFacts, gpus: Sequence[int]) -> tuple[P2PSummary | None, str]:
     fingerprint = host_fingerprint(facts, len(gpus), tuple(gpus))
-    path = probe_path(fingerprint, gpus)
+    path: Path | str = "the cache directory"
     try:
+        path = probe_path(fingerprint, gpus)  # cache_dir() needs a home directory by default
         if not path.is_file():
             return None, f"no p2p probe for GPUs {','.join(map(str, gpus))}"
         document = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         return None, f"no p2p probe ({path} unreadable: {reason})"
     try:
         if document.get("version") != PROBE_VERSION or document["fingerprint"] != fingerprint:
-            return None, f"p2p probe {path.name} stale: written for another host or version"
+            return None, f"p2p probe {Path(path).name} stale: written for another host or version"
         summary = P2PSummary.from_json({**document["summary"], "path": str(path)})
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         return None, f"no p2p probe ({path} malformed: {exc})"
-    return summary, f"p2p probe {path.name}"
+    return summary, f"p2p probe {Path(path).name}"
 
 
 def load_probe(
@@ -312,6 +313,7 @@ def measure(
 
     from sglang_sm120.tune import progress_bar
 
+    torch.cuda.init()  # loads the CUDA runtime that _Runtime then finds among the mapped libraries
     rt = _Runtime()
     original = torch.cuda.current_device()
     notes = []

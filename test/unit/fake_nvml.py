@@ -73,6 +73,9 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, handle: int) -> str:
         return f"GPU-fake-{handle}"
 
+    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
+        return tuple(self._gpu(handle).get("capability", (12, 0)))
+
     def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: int) -> int:
         return self._gpu(handle)["gen"]
 

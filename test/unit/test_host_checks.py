@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 
 import pytest
@@ -29,7 +30,8 @@ def _all_gpus_visible(monkeypatch):
 
 def checks_of(case: str, tp: int = 8, **kwargs) -> dict:
     nvml = kwargs.pop("nvml", None) or FakeNvml.of(case)
-    checks = run_host_checks(tp, 7168, root=FIXTURES / case, nvml=nvml, **kwargs)
+    root = kwargs.pop("root", FIXTURES / case)
+    checks = run_host_checks(tp, 7168, root=root, nvml=nvml, **kwargs)
     assert [c.name for c in checks] == list(CHECK_NAMES)
     return {c.name: c for c in checks}
 
@@ -98,6 +100,26 @@ def test_measured_probe_outranks_the_attachment_guess():
     assert checks_of("direct-staged", probe=fast)["p2p_driver"].status == "ok"
     staged = checks_of("healthy", probe=slow)["p2p_driver"]
     assert staged.status == "fail" and "measured 3.4 GB/s" in staged.detail
+
+
+def test_the_staging_guess_is_made_for_sm12x_gpus_only():
+    spec = _spec("direct-staged")
+    spec["gpus"] = [{**g, "capability": [9, 0]} for g in spec["gpus"]]
+    check = checks_of("direct-staged", nvml=FakeNvml(spec))["p2p_driver"]
+    assert check.status == "unknown" and "reported for SM12x" in check.detail
+
+
+def test_gpus_without_a_bridge_above_them_leave_the_attachment_unknown(tmp_path):
+    root = tmp_path / "vm"
+    shutil.copytree(FIXTURES / "direct-staged", root, symlinks=True)
+    devices = root / "sys/bus/pci/devices"
+    for bdf in ("0000:01:00.0", "0000:02:00.0"):  # as a VM shows passed-through GPUs
+        flat = root / "sys/devices/pci0000:00" / bdf
+        shutil.copytree((devices / bdf).resolve(), flat)
+        (devices / bdf).unlink()
+        (devices / bdf).symlink_to(flat)
+    check = checks_of("direct-staged", root=root)["p2p_driver"]
+    assert check.status == "unknown" and "virtual machine" in check.detail
 
 
 def test_nvml_without_p2p_on_a_pair_fails_p2p_driver():
