@@ -231,7 +231,7 @@ class HostHazards:
 
     staged: tuple[tuple[str, str], ...] = ()  # every IPC kernel disfavoured: P2P via sysmem
     push: tuple[tuple[str, str], ...] = ()  # one-shot push disfavoured: ACS, write collapse
-    notes: tuple[tuple[str, str], ...] = ()  # cited only: IOMMU translation, BAR1 too small
+    notes: tuple[tuple[str, str], ...] = ()  # cited only: IOMMU, BAR1, ACS on root ports
 
 
 def _found(check: HostCheck) -> tuple[str, str]:
@@ -247,11 +247,8 @@ def host_hazards(findings: HostFindings | None) -> HostHazards:
     push = (_found(failed["acs"]),) if "acs" in failed else ()
     if findings.probe is not None and findings.probe.collapse:
         push += ((f"host p2p probe: {findings.probe.describe()}", ""),)
-    notes = tuple(
-        _found(c)
-        for c in findings.checks
-        if c.name in ("iommu", "bar1") and c.status in (WARN, FAIL)
-    )
+    cited = {"iommu": (WARN, FAIL), "bar1": (WARN, FAIL), "acs": (WARN,)}  # failed ACS: push
+    notes = tuple(_found(c) for c in findings.checks if c.status in cited.get(c.name, ()))
     return HostHazards(staged, push, notes)
 
 

@@ -58,6 +58,7 @@ ROWS = [
         ("0000:02:00.0", "0000:02:01.0", "ReqRedir", "CmpltRedir"),
         ("pci=disable_acs_redir=", "BIOS"),
     ),
+    ("acs-root-ports", "acs", "warn", ("root ports", "0000:00:01.1", "ReqRedir"), ("BIOS",)),
     ("iommu-on", "iommu", "warn", ("DMA-FQ", "0000:03:00.0"), ("iommu=pt",)),
     ("nonroot-config", "acs", "unknown", ("root only", "sudo sglang-sm120 doctor"), ()),
     (

@@ -183,6 +183,14 @@ ROWS = [
         ("host p2p_driver", "the tuning table measured this host"),
     ),
     (
+        "ACS redirect on root ports only: cited, plan unchanged",
+        PCIE8,
+        D(2, model_arch=KIMI, host=fixture("acs-root-ports")),
+        "trtllm",
+        "pcie_ipc",
+        ("host acs: ACS redirect on root ports", "pci=disable_acs_redir"),
+    ),
+    (
         "IOMMU translating: cited with iommu=pt, plan unchanged",
         PCIE8,
         D(2, model_arch=KIMI, host=fixture("iommu-on")),
