@@ -1,11 +1,15 @@
 """``sglang-sm120``: show what the plugin sees and decides.
 
 sglang-sm120 doctor [--tp N] [--model-arch A] [--json]
-    this machine: versions, GPUs, P2P, NVLink, NUMA, each patch's status, the plan
+    this machine: versions, GPUs, P2P, NVLink, NUMA, host checks (IOMMU, ACS, the driver's P2P
+    mode, PCIe links, BAR1, topology, persistence), each patch's status, the plan
 sglang-sm120 plan (--profile NAME | --topology FILE) --tp N [--model-arch A] [--json]
     the plan for a machine you are not on
 sglang-sm120 tune --tp N [--hidden H] [--tokens T ...]
     measure every all-reduce backend on this host's GPUs, write the tuning table
+sglang-sm120 p2p [--gpus 0,1,...] [--json]
+    measure P2P write/read bandwidth and latency per GPU pair, then all at once: do writes
+    collapse under concurrency? (saved next to the tuning table; doctor and the plan cite it)
 sglang-sm120 warmup [--dry-run] [--vocab-size V]
     compile the JIT kernels the server needs on this GPU, before the server starts
 sglang-sm120 profiles
@@ -22,6 +26,7 @@ importable sglang) is one line on stderr and exit status 2, before anything else
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -39,6 +44,7 @@ from sglang_sm120.facts import (
     profile_descriptions,
     profile_names,
 )
+from sglang_sm120.host import HostFindings, format_checks
 from sglang_sm120.policy import (
     PLUGIN_BACKEND_CHOICES,
     PLUGIN_BACKEND_ENV,
@@ -192,12 +198,17 @@ def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
 
 
 def _plan(
-    facts: HostFacts, args: argparse.Namespace, tp_size: int, local_tuning: bool = False
+    facts: HostFacts,
+    args: argparse.Namespace,
+    tp_size: int,
+    local_tuning: bool = False,
+    host: HostFindings | None = None,
 ) -> AllReducePlan:
-    """The plan; ``local_tuning`` adds this host's tuning table (doctor, not planning)."""
+    """The plan; ``local_tuning`` adds this host's tuning table and ``host`` its findings
+    (doctor, not planning)."""
     from sglang_sm120.runtime import fusion_archs, with_tuning
 
-    deployment = _deployment(args, tp_size)
+    deployment = dataclasses.replace(_deployment(args, tp_size), host=host)
     if local_tuning:
         deployment = with_tuning(deployment, args.hidden, args.dtype)
     return plan_allreduce(facts, deployment, fusion_archs())
@@ -346,15 +357,26 @@ def _coverage_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _probe_lines(findings: HostFindings, gpus: int) -> list[str]:
+    if findings.probe is None:
+        hint = " (`sglang-sm120 p2p` measures one)" if gpus >= 2 else ""
+        return [f"p2p probe: {findings.probe_note}{hint}"]
+    return [f"p2p probe: {findings.probe.describe()}", f"  from {findings.probe.path}"]
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from sglang_sm120.runtime import validation_mode
+    from sglang_sm120.runtime import findings_describe, host_findings, validation_mode
 
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
     if facts.gpus:
         _check_tp(facts, tp_size, args.nnodes)
     _require_sglang()
-    plan = _plan(facts, args, tp_size, local_tuning=True)
+    findings = host_findings(
+        facts, tp_size, args.hidden, tuple(range(min(tp_size, len(facts.gpus)))) or None
+    )
+    host = findings if findings_describe(facts) else None
+    plan = _plan(facts, args, tp_size, local_tuning=True, host=host)
     state = _plugin_state()
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
     coverage = _kernel_coverage(capability)
@@ -369,6 +391,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "kill_switch": os.environ.get("SGLANG_SM120_DISABLE", ""),
         "validation_mode": validation_mode(),
         "kernel_images": coverage,
+        "host_checks": [check.to_json() for check in findings.checks],
+        "host_checks_used_by_plan": host is not None,
+        "p2p_probe": (
+            findings.probe.to_json() if findings.probe else {"note": findings.probe_note}
+        ),
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -394,6 +421,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         lines.append("kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied")
     if report["validation_mode"]:
         lines.append(f"VALIDATION MODE ON: {VALIDATION_NOTE}")
+    lines += format_checks(findings.checks)
+    lines += _probe_lines(findings, len(facts.gpus))
+    if host is None:
+        lines.append(
+            f"  (host checks read this machine; the plan below is for {facts.source} and does "
+            "not use them: set SGLANG_SM120_SYSFS_ROOT to that machine's sysfs dump)"
+        )
     lines += _plan_lines(plan, tp_size)
     lines += _coverage_lines(coverage)
     print("\n".join(lines))
@@ -419,6 +453,47 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(table.to_json(), indent=1) if args.json else format_table(table))
     print(f"written: {path}", file=sys.stderr)
+    return 0
+
+
+def _gpu_list(text: str) -> tuple[int, ...]:
+    """'0,1,3' -> (0, 1, 3): distinct CUDA indices."""
+    try:
+        gpus = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of GPU indices") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices must be distinct and >= 0")
+    return gpus
+
+
+def cmd_p2p(args: argparse.Namespace) -> int:
+    from sglang_sm120.p2p_probe import format_probe, run_probe, save_probe
+
+    try:
+        import torch
+    except ImportError as exc:
+        raise UsageError(f"needs torch with CUDA to copy between GPUs ({exc})") from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        seen = "none" if count == 0 else f"1 ({torch.cuda.get_device_name(0)})"
+        raise UsageError(f"needs at least 2 CUDA GPUs to measure P2P; torch sees {seen}")
+    gpus = args.gpus or tuple(range(count))
+    if len(gpus) < 2:
+        raise UsageError(f"--gpus {','.join(map(str, gpus))}: name at least 2 GPUs")
+    if max(gpus) >= count:
+        raise UsageError(f"--gpus {','.join(map(str, gpus))}: torch sees GPUs 0-{count - 1}")
+    facts = current_facts()
+    try:
+        document = run_probe(facts, gpus, reps=args.reps)
+    except RuntimeError as exc:
+        print(f"sglang-sm120 p2p: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(document, indent=1) if args.json else format_probe(document))
+    try:
+        print(f"written: {save_probe(document)}", file=sys.stderr)
+    except OSError as exc:
+        print(f"sglang-sm120 p2p: not saved ({exc})", file=sys.stderr)
     return 0
 
 
@@ -496,6 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--json", action="store_true", help="print the table as JSON")
     tune.set_defaults(func=cmd_tune)
+    p2p = sub.add_parser("p2p", help="measure P2P bandwidth per pair and all at once, here")
+    p2p.add_argument("--gpus", type=_gpu_list, help="CUDA indices, e.g. 0,1,2,3 (default: all)")
+    p2p.add_argument("--reps", type=_positive_int, default=20, help="copies per measurement")
+    p2p.add_argument("--json", action="store_true")
+    p2p.set_defaults(func=cmd_p2p)
     warmup = sub.add_parser("warmup", help="compile the server's JIT kernels for this GPU ahead")
     warmup.add_argument("--dry-run", action="store_true", help="list the steps, build nothing")
     warmup.add_argument(

@@ -171,7 +171,7 @@ def load_topology(path: str | os.PathLike[str]) -> HostFacts:
     return facts_from_json(data, source=f"file:{path}")
 
 
-def _visible_nvml_indices(count: int, nvml: Any) -> list[int]:
+def visible_nvml_indices(count: int, nvml: Any) -> list[int]:
     """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES picks and orders what CUDA sees."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -200,10 +200,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def sysfs_bus_id(nvml_bus_id: Any) -> str:
+    """NVML's PCI bus id ('00000000:03:00.0', 8-digit domain) as sysfs names it ('0000:03:00.0')."""
+    bus_id = _text(nvml_bus_id).lower()
+    return bus_id[-12:] if len(bus_id) > 12 else bus_id
+
+
 def _numa_node(nvml: Any, handle: Any) -> int | None:
-    bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId).lower()
-    # NVML reports an 8-digit PCI domain; sysfs uses 4.
-    sysfs_id = bus_id[-12:] if len(bus_id) > 12 else bus_id
+    sysfs_id = sysfs_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId)
     try:
         node = int(Path(f"/sys/bus/pci/devices/{sysfs_id}/numa_node").read_text())
     except (OSError, ValueError):
@@ -246,7 +250,7 @@ def probe_host() -> HostFacts:
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return HostFacts(source="nvml", versions=versions, probe_error=f"NVML unavailable: {exc}")
     try:
-        indices = _visible_nvml_indices(nvml.nvmlDeviceGetCount(), nvml)
+        indices = visible_nvml_indices(nvml.nvmlDeviceGetCount(), nvml)
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
         gpus = tuple(
             GpuInfo(

@@ -23,6 +23,12 @@ Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
 * Validation mode (``SGLANG_SM120_ANY_ARCH=1``, ``any_arch``): GPUs of compute capability 9.0
   and above count as in scope, with the same rules and P2P requirements as SM12x, so the managed
   path can be validated on H100/H200 machines. Every reason that follows says so; never a default.
+* Host findings (``Deployment.host``: doctor's host checks and the measured p2p probe) change
+  what is chosen where nothing measured or asked decides: P2P staged through system memory
+  (``p2p_driver`` fail) turns every IPC kernel down for NCCL; ACS redirect on switch ports or
+  a measured collapse of concurrent P2P writes turns one-shot push fusion (trtllm at TP2 auto)
+  off, PCIe-IPC's staged kernels stay. A tuning table measured these effects itself and the
+  user's explicit choices stand; every finding is cited in the reasons with its fix.
 * The GPUs judged are the ones SGLang gives this node's ranks (``Deployment.gpu_ids``:
   ``--base-gpu-id``, ``--gpu-id-step``, PP stages, DP replicas), not simply the first ``tp``
   visible ones.
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sm120.facts import GpuInfo, HostFacts, describe_gpus
+from sglang_sm120.host import FAIL, WARN, HostCheck, HostFindings
 from sglang_sm120.tuning import (
     SM120_PCIE_ROUTES,
     UNFUSED_MIN_GAIN,
@@ -87,6 +94,7 @@ class Deployment:
     disaggregation: bool = False  # PD disaggregation: a prefill server sends KV, not tokens
     custom_all_reduce: bool = True  # upstream's custom all-reduce (--disable-custom-all-reduce)
     any_arch: bool = False  # validation mode (SGLANG_SM120_ANY_ARCH=1): SM90+ managed as SM12x
+    host: HostFindings | None = None  # host checks and the p2p probe; None: not looked at
 
     def used_gpu_ids(self) -> tuple[int, ...]:
         """Every GPU the node's ranks use (all must be SM12x with P2P between them)."""
@@ -246,6 +254,70 @@ def _in_scope_capability(facts: HostFacts, gpus: Sequence[GpuInfo]) -> Capabilit
     )
 
 
+@dataclass(frozen=True)
+class HostHazards:
+    """Host findings the plan acts on, each as (what was found, its fix)."""
+
+    staged: tuple[tuple[str, str], ...] = ()  # every IPC kernel disfavoured: P2P via sysmem
+    push: tuple[tuple[str, str], ...] = ()  # one-shot push disfavoured: ACS, write collapse
+    notes: tuple[tuple[str, str], ...] = ()  # cited only: IOMMU, BAR1, ACS on root ports
+
+
+def _found(check: HostCheck) -> tuple[str, str]:
+    return f"host {check.name}: {check.detail}", check.fix
+
+
+def host_hazards(findings: HostFindings | None) -> HostHazards:
+    """What the plan makes of the host findings; nothing without findings."""
+    if findings is None:
+        return HostHazards()
+    failed = {c.name: c for c in findings.checks if c.status == FAIL}
+    staged = (_found(failed["p2p_driver"]),) if "p2p_driver" in failed else ()
+    push = (_found(failed["acs"]),) if "acs" in failed else ()
+    if findings.probe is not None and findings.probe.collapse:
+        push += ((f"host p2p probe: {findings.probe.describe()}", ""),)
+    cited = {"iommu": (WARN, FAIL), "bar1": (WARN, FAIL), "acs": (WARN,)}  # failed ACS: push
+    notes = tuple(_found(c) for c in findings.checks if c.status in cited.get(c.name, ()))
+    return HostHazards(staged, push, notes)
+
+
+_PLAIN_NAMES = {
+    "pcie_ipc": "PCIe-IPC (staged)",
+    "nccl": "NCCL",
+    "sm120_pcie": "sgl-kernel-sm120",
+    "upstream": "upstream's custom all-reduce or NCCL",
+}
+
+
+def _host_reasons(plan: AllReducePlan, hazards: HostHazards) -> tuple[str, ...]:
+    """The host findings as reasons: what was found, what the plan did about it, the fix."""
+    plain = _PLAIN_NAMES.get(plan.plain_allreduce, plan.plain_allreduce)
+    measured = "the tuning table measured this host: its routes stand"
+    if plan.routes:
+        staged_outcome = push_outcome = measured
+    else:
+        fused = plan.fusion_backend
+        staged_outcome = (
+            "IPC all-reduce kernels disfavoured: NCCL"
+            if fused is None and plan.plain_allreduce == "nccl"
+            else f"kept as requested (fusion {fused or 'off'}, plain all-reduce {plain})"
+        )
+        push_outcome = (
+            f"one-shot push all-reduce disfavoured; {plain}"
+            if fused is None
+            else f"{fused}'s one-shot push kept as requested"
+        )
+
+    def line(found: str, fix: str, outcome: str = "") -> str:
+        return found + (f": {outcome}" if outcome else "") + (f" (fix: {fix})" if fix else "")
+
+    return (
+        *(line(found, fix, staged_outcome) for found, fix in hazards.staged),
+        *(line(found, fix, push_outcome) for found, fix in hazards.push),
+        *(line(found, fix) for found, fix in hazards.notes),
+    )
+
+
 def _fusion_blocker(
     cap: Capability, facts: HostFacts, d: Deployment, archs: Collection[str]
 ) -> str | None:
@@ -334,6 +406,12 @@ def _plan_fusion(
     if d.tuning is not None:
         return FROM_TABLE, ""
     tuning_note = f"; {d.tuning_note}" if d.tuning_note else ""
+    hazards = host_hazards(d.host)
+    if d.tp_size in FUSION_AUTO_TP_SIZES and (hazards.staged or hazards.push):
+        return None, (
+            f"fusion off at TP{d.tp_size}: auto would pick trtllm, whose one-shot push the host "
+            "findings below disfavour" + tuning_note
+        )
     if d.tp_size in FUSION_AUTO_TP_SIZES:
         return (
             "trtllm",
@@ -388,6 +466,11 @@ def _plan_plain(
             "plain all-reduce sgl-kernel-sm120 up to its workspace "
             "(max_bs x draft tokens x hidden); larger ones: NCCL"
         )
+    if d.tuning is None and d.pcie_ipc_env is None and host_hazards(d.host).staged:
+        return "nccl", (
+            "plain all-reduce NCCL: P2P is staged through system memory here (host finding "
+            "below), which every IPC all-reduce kernel pays"
+        )
     if d.dtype is not None and d.dtype != "bfloat16":
         refused = " (SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused)" if d.pcie_ipc_env else ""
         return "nccl", (
@@ -417,11 +500,12 @@ def plan_allreduce(
             else f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
         )
         return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
+    hazards = host_hazards(deployment.host)
     fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
     if fusion == FROM_TABLE:
         plan = _plan_from_table(cap, facts, deployment)
         if plan is not None:
-            return plan
+            return dataclasses.replace(plan, reasons=(*plan.reasons, *_host_reasons(plan, hazards)))
         note = (
             "tuning table unusable here: no candidate this server can run was measured "
             "correct at every size"
@@ -429,7 +513,10 @@ def plan_allreduce(
         deployment = dataclasses.replace(deployment, tuning=None, tuning_note=note)
         fusion, fusion_reason = _plan_fusion(cap, facts, deployment, fusion_archs)
     plain, plain_reason = _plan_plain(cap, facts, deployment, fusion)
-    return AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason))
+    plan = AllReducePlan(True, fusion, plain, (*cap.reasons, fusion_reason, plain_reason))
+    if deployment.tp_size <= 1:
+        return plan
+    return dataclasses.replace(plan, reasons=(*plan.reasons, *_host_reasons(plan, hazards)))
 
 
 def _declined_to(

@@ -27,7 +27,8 @@ import os
 import sys
 from typing import Any
 
-from sglang_sm120.facts import current_facts
+from sglang_sm120.facts import HostFacts, current_facts
+from sglang_sm120.host import SYSFS_ROOT_ENV, HostFindings, run_host_checks
 from sglang_sm120.policy import (
     PLUGIN_BACKEND_CHOICES,
     PLUGIN_BACKEND_ENV,
@@ -155,6 +156,43 @@ def with_tuning(deployment: Deployment, hidden: int | None, dtype: str | None) -
     return dataclasses.replace(deployment, tuning=table, tuning_note=note)
 
 
+def host_findings(
+    facts: HostFacts, tp: int, hidden: int, gpu_ids: tuple[int, ...] | None = None
+) -> HostFindings:
+    """This host's checks and its cached p2p probe for the GPUs ``gpu_ids`` (default every
+    visible one). NVML is asked only when the facts came from it: a profile describes another
+    machine. Never raises."""
+    from sglang_sm120.p2p_probe import load_probe
+
+    probe, note = load_probe(facts, gpu_ids)
+    skip = None if facts.source == "nvml" else f"facts from {facts.source}, not this machine"
+    return HostFindings(run_host_checks(tp, hidden, skip_nvml=skip, probe=probe), probe, note)
+
+
+def findings_describe(facts: HostFacts) -> bool:
+    """Whether this machine's host checks describe the facts' machine: facts from NVML, or a
+    profile together with SGLANG_SM120_SYSFS_ROOT naming that machine's sysfs dump."""
+    return facts.source == "nvml" or bool(os.environ.get(SYSFS_ROOT_ENV))
+
+
+def with_host_findings(deployment: Deployment, hidden: int | None) -> Deployment:
+    """The deployment plus this host's findings, where a plan can use them (managed GPUs, TP > 1,
+    checks that describe these GPUs). Diagnostics never stop a launch: a failure is logged."""
+    facts = current_facts()
+    gpu_ids = deployment.first_tp_group()
+    if deployment.tp_size <= 1 or not findings_describe(facts):
+        return deployment
+    cap = hardware_capability(facts, deployment.used_gpu_ids(), any_arch=deployment.any_arch)
+    if not cap.sm12x:
+        return deployment
+    try:
+        findings = host_findings(facts, deployment.tp_size, hidden or 7168, gpu_ids)
+    except Exception as exc:
+        log_once(logging.WARNING, f"sglang-sm120: host checks failed, not used: {exc}")
+        return deployment
+    return dataclasses.replace(deployment, host=findings)
+
+
 def node_gpu_ids(
     *, tp: int, pp: int, replicas: int, base_gpu_id: int, gpu_id_step: int
 ) -> tuple[int, ...]:
@@ -205,7 +243,8 @@ def deployment_from_view(view: Any) -> Deployment:
         custom_all_reduce=not view.disable_custom_all_reduce,
         any_arch=validation_mode(),
     )
-    return with_tuning(deployment, model_config.hidden_size, dtype)
+    deployment = with_tuning(deployment, model_config.hidden_size, dtype)
+    return with_host_findings(deployment, model_config.hidden_size)
 
 
 def last_plan() -> AllReducePlan | None:

@@ -50,6 +50,8 @@ ROWS = [
     ("unknown profile", ["plan", "--profile", "dgx", "--tp", "2"], None, {}, "invalid choice"),
     ("no machine given", ["plan", "--tp", "2"], None, {}, "--profile --topology is required"),
     ("unknown command", ["serve"], None, {}, "invalid choice: 'serve'"),
+    ("p2p GPUs not numbers", ["p2p", "--gpus", "0,x"], None, {}, "'0,x' is not a comma list"),
+    ("p2p GPU named twice", ["p2p", "--gpus", "0,0"], None, {}, "must be distinct and >= 0"),
     ("missing file", ["plan", "--topology", "/nonexistent.json", "--tp", "2"], None, {}, "No such"),
     ("directory", ["plan", "--topology", "/", "--tp", "2"], None, {}, "Is a directory"),
     ("invalid JSON", ["plan", "--topology", "{file}", "--tp", "2"], "{not json", {}, "line 1"),
@@ -222,6 +224,12 @@ def _cuda_visible() -> bool:
 NO_GPU_ROWS = [
     ("tune without a GPU", ["tune", "--tp", "2"], "tune: needs CUDA GPUs; torch sees none"),
     ("warmup without a GPU", ["warmup"], "warmup: no CUDA GPU visible to torch"),
+    (
+        "p2p without a GPU",
+        ["p2p"],
+        "p2p: needs at least 2 CUDA GPUs to measure P2P; torch sees none",
+    ),
+    ("p2p naming GPUs without one", ["p2p", "--gpus", "0,1"], "torch sees none"),
 ]
 
 

@@ -96,6 +96,21 @@ def test_doctor_json_without_gpu_exits_zero_and_says_so():
     assert report["contract_problems"] == []
     assert all(s.startswith("not needed (") for s in report["patches"].values())
     assert report["versions"]["sglang"] == "0.5.23"
+    checks = {c["name"]: c for c in report["host_checks"]}
+    assert list(checks) == [
+        "iommu",
+        "acs",
+        "p2p_driver",
+        "pcie_link",
+        "bar1",
+        "topology",
+        "persistence",
+    ]
+    for name in ("pcie_link", "bar1", "topology", "persistence"):
+        assert checks[name]["status"] == "unknown" and checks[name]["detail"].startswith("no GPU")
+        assert checks[name]["evidence"].startswith("nvmlDeviceGet")
+    assert all(set(c) >= {"name", "status", "detail", "fix", "evidence"} for c in checks.values())
+    assert report["p2p_probe"] == {"note": "no p2p probe: fewer than 2 GPUs, no peers to measure"}
 
 
 def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
@@ -198,3 +213,46 @@ def test_doctor_without_validation_mode_leaves_an_sm90_host_alone():
     )
     assert report["validation_mode"] is False and report["plan"]["managed"] is False
     assert report["patches"]["resolve_backend"].startswith("not needed (8x NVIDIA H200 (SM90)")
+
+
+def test_doctor_reads_a_host_dump_and_the_plan_cites_its_findings_with_the_fix():
+    """A profile with SGLANG_SM120_SYSFS_ROOT naming that machine's sysfs dump: a host whose
+    GPUs sit on root ports with the driver's default P2P mode plans NCCL and says why."""
+    from fake_nvml import FIXTURES
+
+    env = {
+        "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
+        "SGLANG_SM120_SYSFS_ROOT": str(FIXTURES / "direct-staged"),
+    }
+    proc = run_cli("doctor", "--json", "--tp", "8", "--model-arch", KIMI, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in report["host_checks"]}
+    assert checks["p2p_driver"]["status"] == "fail" and "ForceP2P" in checks["p2p_driver"]["fix"]
+    assert checks["bar1"]["detail"].startswith("no GPU (facts from profile:rtx-pro-6000-x8-pcie")
+    assert report["host_checks_used_by_plan"] is True
+    assert report["plan"]["plain_allreduce"] == "nccl"
+    assert any(
+        r.startswith("host p2p_driver:")
+        and "IPC all-reduce kernels disfavoured: NCCL" in r
+        and "(fix: options nvidia NVreg_RegistryDwords" in r
+        for r in report["plan"]["reasons"]
+    ), report["plan"]["reasons"]
+
+
+def test_doctor_prints_the_host_checks_as_a_table_with_each_fix():
+    from fake_nvml import FIXTURES
+
+    env = {
+        "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
+        "SGLANG_SM120_SYSFS_ROOT": str(FIXTURES / "acs-on"),
+    }
+    proc = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("  acs "))
+    assert lines[row].split()[:2] == ["acs", "FAIL"]
+    assert lines[row + 1].strip().startswith("fix: disable ACS in the BIOS")
+    assert lines[row + 2].strip().startswith("from: /sys/bus/pci/devices/<bridge>/config")
+    assert "  CHECK        STATUS   DETAIL" in lines
+    assert any("host acs:" in line and "PCIe-IPC (staged)" in line for line in lines)

@@ -146,3 +146,19 @@ def test_without_validation_mode_an_sm90_host_is_left_to_upstream(deepseek):
     status, plans = lines_of(log)
     assert status == {} and plans == {}, log[-4000:]
     assert "sglang-sm120" not in log, log[-4000:]
+
+
+def test_launcher_plans_with_the_host_findings_and_workers_follow(deepseek):
+    """The profile's machine described by a sysfs dump with ACS redirect on its switch ports:
+    the launcher's plan turns TP2's auto trtllm (a one-shot push) off for PCIe-IPC, says why
+    with the fix, and every worker follows that plan."""
+    from fake_nvml import FIXTURES
+
+    env = {"SGLANG_SM120_SYSFS_ROOT": str(FIXTURES / "acs-on")}
+    plan = check_same_plan_everywhere(
+        launch([sys.executable, "-m", "sglang.launch_server"], deepseek, env)
+    )
+    assert plan.startswith("fusion=off, plain all-reduce=pcie_ipc; ")
+    assert "host acs: ACS redirect on PCIe switch ports" in plan
+    assert "one-shot push all-reduce disfavoured; PCIe-IPC (staged)" in plan
+    assert "(fix: disable ACS in the BIOS" in plan

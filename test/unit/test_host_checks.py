@@ -1,0 +1,235 @@
+"""Host checks read from fixture hosts: one tree per problem under test/fixtures/hosts/ (sysfs,
+procfs and the fake NVML's answers; ``build.py`` there says how each was made)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+
+import pytest
+from fake_nvml import FIXTURES, FakeNvml
+from sglang_sm120.host import (
+    CHECK_NAMES,
+    SYSFS_ROOT_ENV,
+    P2PSummary,
+    acs_control,
+    format_checks,
+    ipc_workspace_bytes,
+    registry_dwords,
+    run_host_checks,
+    sysfs_root,
+)
+
+
+@pytest.fixture(autouse=True)
+def _all_gpus_visible(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def checks_of(case: str, tp: int = 8, **kwargs) -> dict:
+    nvml = kwargs.pop("nvml", None) or FakeNvml.of(case)
+    root = kwargs.pop("root", FIXTURES / case)
+    checks = run_host_checks(tp, 7168, root=root, nvml=nvml, **kwargs)
+    assert [c.name for c in checks] == list(CHECK_NAMES)
+    return {c.name: c for c in checks}
+
+
+def statuses(case: str, **kwargs) -> dict[str, str]:
+    return {name: c.status for name, c in checks_of(case, **kwargs).items()}
+
+
+# Each fixture host is the healthy one with one thing wrong: that check, and only it, reports.
+ROWS = [
+    # case, check, status, words the detail must contain, words the fix must contain
+    ("healthy", None, None, (), ()),
+    (
+        "direct-staged",
+        "p2p_driver",
+        "fail",
+        ("root ports", "no ForceP2P", "system memory"),
+        ("NVreg_RegistryDwords", "ForceP2P=0x11"),
+    ),
+    (
+        "acs-on",
+        "acs",
+        "fail",
+        ("0000:02:00.0", "0000:02:01.0", "ReqRedir", "CmpltRedir"),
+        ("pci=disable_acs_redir=", "BIOS"),
+    ),
+    ("acs-root-ports", "acs", "warn", ("root ports", "0000:00:01.1", "ReqRedir"), ("BIOS",)),
+    ("iommu-on", "iommu", "warn", ("DMA-FQ", "0000:03:00.0"), ("iommu=pt",)),
+    ("nonroot-config", "acs", "unknown", ("root only", "sudo sglang-sm120 doctor"), ()),
+    (
+        "downtrained",
+        "pcie_link",
+        "fail",
+        ("GPU0 runs x8 of x16", "GPU1 trains at most Gen4 (the GPU does Gen5)"),
+        ("riser",),
+    ),
+    ("small-bar1", "bar1", "fail", ("GPU0 256 MiB", "need 1016 MiB"), ("Resizable BAR",)),
+    ("dual-socket", "topology", "warn", ("4 of 6 pairs cross sockets", "0-2"), ("one socket",)),
+    ("persistence-off", "persistence", "warn", ("GPUs 0,1",), ("nvidia-smi -pm 1",)),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "name", "status", "detail", "fix"), ROWS, ids=[r[0] for r in ROWS]
+)
+def test_fixture_host_reports_its_one_problem_with_the_fix(case, name, status, detail, fix):
+    checks = checks_of(case)
+    others = {n: c.status for n, c in checks.items() if n != name}
+    assert set(others.values()) == {"ok"}, others
+    if name is None:
+        return
+    check = checks[name]
+    assert check.status == status, check
+    assert all(word in check.detail for word in detail), check.detail
+    assert all(word in check.fix for word in fix), check.fix
+    assert check.evidence
+
+
+def test_driver_forced_into_direct_p2p_is_ok():
+    check = checks_of("direct-forcep2p")["p2p_driver"]
+    assert check.status == "ok" and "ForceP2P=0x11" in check.detail
+
+
+def test_measured_probe_outranks_the_attachment_guess():
+    fast = P2PSummary((0, 1), 52.0, 50.0, 2.1, 2.5, 0.9, 0.9, 0.9, False)
+    slow = P2PSummary((0, 1), 3.4, 3.1, 9.0, 9.0, 0.9, 0.9, 0.9, False)
+    assert checks_of("direct-staged", probe=fast)["p2p_driver"].status == "ok"
+    staged = checks_of("healthy", probe=slow)["p2p_driver"]
+    assert staged.status == "fail" and "measured 3.4 GB/s" in staged.detail
+
+
+def test_the_staging_guess_is_made_for_sm12x_gpus_only():
+    spec = _spec("direct-staged")
+    spec["gpus"] = [{**g, "capability": [9, 0]} for g in spec["gpus"]]
+    check = checks_of("direct-staged", nvml=FakeNvml(spec))["p2p_driver"]
+    assert check.status == "unknown" and "reported for SM12x" in check.detail
+
+
+def test_gpus_without_a_bridge_above_them_leave_the_attachment_unknown(tmp_path):
+    root = tmp_path / "vm"
+    shutil.copytree(FIXTURES / "direct-staged", root, symlinks=True)
+    devices = root / "sys/bus/pci/devices"
+    for bdf in ("0000:01:00.0", "0000:02:00.0"):  # as a VM shows passed-through GPUs
+        flat = root / "sys/devices/pci0000:00" / bdf
+        shutil.copytree((devices / bdf).resolve(), flat)
+        (devices / bdf).unlink()
+        (devices / bdf).symlink_to(flat)
+    check = checks_of("direct-staged", root=root)["p2p_driver"]
+    assert check.status == "unknown" and "virtual machine" in check.detail
+
+
+def test_nvml_without_p2p_on_a_pair_fails_p2p_driver():
+    spec = FakeNvml.of("healthy")
+    spec._p2p_status = 2  # NVML_P2P_STATUS_CHIPSET_NOT_SUPPORED
+    check = checks_of("healthy", nvml=spec)["p2p_driver"]
+    assert check.status == "fail" and "no P2P between GPUs 0-1" in check.detail
+
+
+def test_dual_socket_topology_is_a_matrix_like_nvidia_smi():
+    check = checks_of("dual-socket")["topology"]
+    assert check.matrix[0] == ("X", "PIX", "SYS", "SYS")
+    assert [row[row_index] for row_index, row in enumerate(check.matrix)] == ["X"] * 4
+    text = "\n".join(format_checks([check]))
+    assert "GPU2  " in text and "SYS" in text and "cross sockets" in text
+
+
+def test_without_a_gpu_the_gpu_checks_say_unknown_no_gpu():
+    checks = run_host_checks(8, 7168, root=FIXTURES / "no-gpu", skip_nvml="no NVML here")
+    by_name = {c.name: c for c in checks}
+    for name in ("acs", "p2p_driver", "pcie_link", "bar1", "topology", "persistence"):
+        assert by_name[name].status == "unknown", by_name[name]
+        assert by_name[name].detail.startswith("no GPU ("), by_name[name].detail
+    assert by_name["iommu"].status == "ok"
+
+
+def test_nvml_errors_make_a_check_unknown_with_the_error_text():
+    nvml = FakeNvml.of("healthy", failing=("nvmlDeviceGetBAR1MemoryInfo",))
+    check = checks_of("healthy", nvml=nvml)["bar1"]
+    assert check.status == "unknown"
+    assert "nvmlDeviceGetBAR1MemoryInfo: Unknown Error" in check.detail
+
+
+def test_functions_missing_from_an_older_pynvml_make_a_check_unknown():
+    nvml = FakeNvml.of("healthy", missing=("nvmlDeviceGetTopologyCommonAncestor",))
+    check = checks_of("healthy", nvml=nvml)["topology"]
+    assert check.status == "unknown" and "missing from this nvidia-ml-py" in check.detail
+    old = FakeNvml.of("downtrained", missing=("nvmlDeviceGetGpuMaxPcieLinkGeneration",))
+    assert "x8 of x16" in checks_of("downtrained", nvml=old)["pcie_link"].detail
+
+
+def test_nvml_that_cannot_start_leaves_gpu_checks_unknown_and_shuts_nothing():
+    nvml = FakeNvml.of("healthy", failing=("nvmlInit",))
+    checks = checks_of("healthy", nvml=nvml)
+    assert checks["bar1"].status == "unknown" and "nvmlInit" in checks["bar1"].detail
+    assert nvml.initialised == 0
+
+
+def test_nvml_is_shut_down_after_the_checks():
+    nvml = FakeNvml.of("healthy")
+    checks_of("healthy", nvml=nvml)
+    assert nvml.initialised == 0
+
+
+def test_one_gpu_has_no_peers_to_judge():
+    nvml = FakeNvml({**_spec("healthy"), "gpus": _spec("healthy")["gpus"][:1]})
+    checks = checks_of("healthy", nvml=nvml, tp=1)
+    assert checks["p2p_driver"].status == "unknown" and "one GPU" in checks["p2p_driver"].detail
+    assert checks["topology"].status == "unknown"
+    assert checks["bar1"].status == "ok" and "TP1" in checks["bar1"].detail
+
+
+def _spec(case: str) -> dict:
+    return json.loads((FIXTURES / case / "nvml.json").read_text())
+
+
+def _fixture_builder():
+    spec = importlib.util.spec_from_file_location("host_fixture_build", FIXTURES / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_acs_control_walks_the_extended_capability_list():
+    build = _fixture_builder()
+    ACS_REDIRECT, config_space = build.ACS_REDIRECT, build.config_space
+
+    assert acs_control(config_space(0x1000, ACS_REDIRECT)) == ACS_REDIRECT
+    assert acs_control(config_space(0x1000, None)) is None  # AER only, no ACS
+    with pytest.raises(Exception, match="64 bytes"):
+        acs_control(config_space(0x1000, ACS_REDIRECT, length=64))
+    looped = bytearray(config_space(0x1000, None))
+    looped[0x100:0x104] = (0x0001 | (0x100 << 20)).to_bytes(4, "little")  # next = itself
+    assert acs_control(bytes(looped)) is None
+
+
+def test_registry_dwords_are_read_from_the_params_file():
+    params = 'EnableMSI: 1\nRegistryDwords: "ForceP2P=0x11;EnableResizableBar=1"\nRmMsg: ""\n'
+    assert registry_dwords(params) == {"ForceP2P": "0x11", "EnableResizableBar": "1"}
+    assert registry_dwords('RegistryDwords: ""\n') == {}
+
+
+def test_sysfs_root_comes_from_its_variable(monkeypatch):
+    monkeypatch.setenv(SYSFS_ROOT_ENV, str(FIXTURES / "acs-on"))
+    assert sysfs_root() == FIXTURES / "acs-on"
+    checks = {c.name: c for c in run_host_checks(8, 7168, skip_nvml="test")}
+    assert checks["acs"].status == "fail"  # GPUs found in sysfs without NVML
+    monkeypatch.delenv(SYSFS_ROOT_ENV)
+    assert str(sysfs_root()) == "/"
+
+
+def test_ipc_workspace_sizes_follow_the_upstream_layouts():
+    sizes = ipc_workspace_bytes(tp=8, hidden=7168, decode_rows=256)
+    payload = 256 * 7168 * 2
+    # PCIe-IPC: 2 scratch regions of 2 N payloads, the copy-engine ring, 64 KiB of flags.
+    assert sizes["pcie_ipc"] == 2 * 2 * 8 * payload + 7 * payload // 4 + (64 << 10)
+    # trtllm at 2048 rows: a buffer of N x rows x hidden x 2 and 3 Lamport buffers of the same.
+    comm = 8 * 2048 * 7168 * 2
+    assert sizes["trtllm"] == comm + (2 << 20) + 3 * comm
+    assert sizes["need"] == max(sizes["trtllm"], sizes["sm120_pcie"]) + sizes["pcie_ipc"]
+    assert ipc_workspace_bytes(tp=2, hidden=7168)["need"] < sizes["need"]
