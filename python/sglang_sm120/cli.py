@@ -574,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p2p = sub.add_parser("p2p", help="measure P2P bandwidth per pair and all at once, here")
     p2p.add_argument("--gpus", type=_gpu_list, help="CUDA indices, e.g. 0,1,2,3 (default: all)")
     p2p.add_argument("--reps", type=_positive_int, default=20, help="copies per measurement")
-    p2p.add_argument("--json", action="store_true")
+    p2p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p2p.set_defaults(func=cmd_p2p)
     warmup = sub.add_parser("warmup", help="compile the server's JIT kernels for this GPU ahead")
     warmup.add_argument("--dry-run", action="store_true", help="list the steps, build nothing")
