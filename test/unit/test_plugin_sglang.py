@@ -231,6 +231,23 @@ def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
     )
 
 
+def test_a_cache_dir_that_cannot_be_read_leaves_server_args_resolving(model_dirs, tmp_path):
+    """Upstream alone starts and the default plan needs no table: a cache directory the
+    launcher cannot read (here a name the file system refuses) is a reason, not a crash."""
+    unreadable = tmp_path / ("x" * 300)
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        env={"SGLANG_SM120_CACHE_DIR": str(unreadable)},
+    )
+    plan = json.loads(result["launch_plan"]["8"])["plan"]
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == (None, "pcie_ipc")
+    assert any(
+        f"SGLANG_SM120_CACHE_DIR={unreadable} unreadable (File name too long)" in r
+        for r in plan["reasons"]
+    )
+
+
 def test_worker_that_sees_one_gpu_decides_from_the_tp_group(model_dirs, tmp_path):
     """SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: each worker's NVML view is its own GPU."""
     one_gpu = tmp_path / "one-gpu.json"
