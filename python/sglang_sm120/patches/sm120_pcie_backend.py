@@ -30,6 +30,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
+from sglang_sm120.facts import sm120_kernel_problem
 from sglang_sm120.policy import AllReducePlan, Capability
 from sglang_sm120.runtime import log_once, worker_plan
 
@@ -197,9 +198,7 @@ def workspaces() -> list[Any]:
 def not_needed(cap: Capability) -> str | None:
     if not cap.fusion_capable:
         return cap.reasons[0]
-    from importlib.util import find_spec
-
-    return None if find_spec("sgl_kernel_sm120") else "sgl-kernel-sm120 is not installed"
+    return sm120_kernel_problem()  # the policy's fact: the package is there and its library loads
 
 
 def _timeout_ms() -> int:
