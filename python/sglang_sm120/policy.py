@@ -543,10 +543,17 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             "(--disable-custom-all-reduce lets the table route sizes)"
         )
     pcie = [t for t, b in routes.items() if b == "pcie_ipc"]
+    if pcie and fusion == "trtllm":
+        reasons.append(
+            f"the trtllm points at {pcie} tokens are declined to PCIe-IPC where its workspace "
+            "(sized by upstream for the widest decode batch) holds them; larger ones stay on "
+            "trtllm"
+        )
     if pcie and plain == "sm120_pcie":
         reasons.append(
             f"PCIe-IPC on behind sgl-kernel-sm120: the points at {pcie} tokens are declined and "
-            "all-reduced by PCIe-IPC, as is any all-reduce that our kernel declines and that fits "
-            "PCIe-IPC's workspace"
+            "all-reduced by PCIe-IPC where its workspace holds them (larger ones stay on our "
+            "kernel), as is any all-reduce that our kernel declines and that fits PCIe-IPC's "
+            "workspace"
         )
     return AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))

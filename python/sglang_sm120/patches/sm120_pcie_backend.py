@@ -13,10 +13,12 @@ How: AROUND hooks on upstream's FlashInfer fusion functions. ``ensure_workspace_
     (world size and group key, as upstream checks its own workspace), at the token counts where
     the plan's tuning table has it win; other inputs get upstream's unfused path. A group without
     our workspace (another backend, or none built) is handed to upstream unchanged, except that
-    a ``trtllm`` plan whose tuning table routes a size elsewhere (PCIe-IPC, NCCL) has that
-    fused point declined too. Every decision is a pure function of shapes, the group
-    and the shared plan, so all ranks take the same path. The peer-timeout check is the
-    ``peer_check`` patch.
+    a ``trtllm`` plan whose tuning table routes a size to PCIe-IPC has that fused point
+    declined too. A point routed to PCIe-IPC is handed to it only where PCIe-IPC's workspace,
+    as upstream built it (read by an AFTER hook on ``PcieIpcCommunicator.prepare``), holds
+    it; a larger one would land on NCCL, so it stays on the fusion backend. Every decision is
+    a pure function of shapes, the group and the shared plan, so all ranks take the same
+    path. The peer-timeout check is the ``peer_check`` patch.
 Upstream: none; a new backend of this distribution.
 Removal: when upstream ships a fused all-reduce + RMSNorm staged for PCIe on SM12x.
 """
@@ -35,6 +37,7 @@ from sglang_sm120.policy import AllReducePlan, Capability
 from sglang_sm120.runtime import log_once, worker_plan
 
 FUSION = "sglang.srt.layers.flashinfer_comm_fusion"
+PCIE_IPC = "sglang.srt.distributed.device_communicators.pcie_ipc_ar"
 BACKEND = "sm120_pcie"
 FALLBACK_ROWS = 256  # when the runner's decode width is unknown (no CUDA-graph config)
 # A server rank can trail its peers by a JIT build during warmup, far beyond the kernel
@@ -76,17 +79,10 @@ CONTRACT = (
     ),
     Symbol(f"{FUSION}.flashinfer_allreduce", "function", params=("input_", "use_attn_tp_group")),
     Symbol(f"{FUSION}.resolve_fusion_group", "function", params=("use_attn_tp_group",)),
+    Symbol(f"{PCIE_IPC}._decode_width", "function", params=()),
     Symbol(
-        "sglang.srt.distributed.device_communicators.pcie_ipc_ar._decode_width",
-        "function",
-        params=(),
+        f"{PCIE_IPC}.PcieIpcCommunicator.prepare", "function", params=("self", "hidden", "max_rows")
     ),
-    Symbol(
-        "sglang.srt.distributed.device_communicators.pcie_ipc_ar._FALLBACK_DECODE_WIDTH",
-        "attribute",
-        type_name="int",
-    ),
-    Symbol("sglang.srt.environ.envs.SGLANG_PCIE_IPC_MAX_NUMEL", "attribute"),
 )
 ROLES = ("scheduler",)
 
@@ -125,6 +121,8 @@ class GroupWorkspace:
             if residual is None
             else self.plan.uses_sm120_pcie_at(tokens)
         )
+        if not routed and self.plan.route_at(tokens) == "pcie_ipc":
+            routed = not _fits_pcie_ipc(tokens, x.shape[-1])  # else NCCL would take it
         if not routed:
             return False
         if torch.compiler.is_compiling():
@@ -147,38 +145,36 @@ _workspaces: dict[bool, GroupWorkspace] = {}
 _UNRESOLVED = object()
 #: the launcher's trtllm plan when its tuning table routes sizes elsewhere, else None
 _trtllm_plan: Any = _UNRESOLVED
-#: what PCIe-IPC's workspace holds, as upstream sizes it: (SGLANG_PCIE_IPC_MAX_NUMEL or 0, rows)
-_pcie_ipc_bound: tuple[int, int] = (0, 0)
+#: elements PCIe-IPC's workspace holds, as upstream built it (0: not built, off or failed)
+_pcie_ipc_numel = 0
 
 
 def _trtllm_routes() -> AllReducePlan | None:
     """The trtllm plan whose routes decline some sizes, or None. Resolved once per process, by
     the workspace setup upstream runs before capture (or the first eager call), so a call
     traced by torch.compile reads globals and compares integers."""
-    global _trtllm_plan, _pcie_ipc_bound
+    global _trtllm_plan
     if _trtllm_plan is _UNRESOLVED:
         plan = worker_plan()
         trtllm = plan is not None and plan.fusion_backend == "trtllm"
         _trtllm_plan = plan if trtllm and any(b != "trtllm" for _, b in plan.routes) else None
-        if _trtllm_plan is not None:
-            from sglang.srt.distributed.device_communicators.pcie_ipc_ar import (
-                _FALLBACK_DECODE_WIDTH,
-                _decode_width,
-            )
-            from sglang.srt.environ import envs
-
-            rows = _decode_width() or _FALLBACK_DECODE_WIDTH
-            _pcie_ipc_bound = (envs.SGLANG_PCIE_IPC_MAX_NUMEL.get() or 0, rows)
     return _trtllm_plan
 
 
-def _declined_fits_pcie_ipc(rows: int, hidden: int) -> bool:
-    """Whether a declined point reaches PCIe-IPC (which the plan's route stands for) rather
-    than NCCL: upstream's PCIe-IPC takes inputs its workspace holds, sized from the decode
-    width (max_bs x draft tokens) or SGLANG_PCIE_IPC_MAX_NUMEL. Larger prefill/extend chunks
-    stay on trtllm, whose workspace holds 2048 rows."""
-    max_numel, max_rows = _pcie_ipc_bound
-    return rows * hidden <= max_numel if max_numel else rows <= max_rows
+def note_pcie_ipc_workspace(result, self, *args, **kwargs) -> None:
+    """After upstream's ``PcieIpcCommunicator.prepare`` (the runner's warmup, before capture
+    and compile): what PCIe-IPC's workspace really holds, sized by upstream from the runner's
+    widest decode rows (clamped to the request pool), its fallback width or
+    SGLANG_PCIE_IPC_MAX_NUMEL; 0 when it is off or its build failed."""
+    global _pcie_ipc_numel
+    _pcie_ipc_numel = 0 if self.disabled else int(self.max_numel)
+
+
+def _fits_pcie_ipc(rows: int, hidden: int) -> bool:
+    """Whether a point the table routes to PCIe-IPC reaches it, rather than NCCL: upstream's
+    PCIe-IPC takes inputs of at most the elements its workspace holds. A larger point stays
+    on the fusion backend (trtllm holds 2048 rows; our kernel its decode rows)."""
+    return rows * hidden <= _pcie_ipc_numel
 
 
 def kernel() -> Any:
@@ -299,11 +295,7 @@ def fused_by_sm120_pcie(
     if group is None:
         routed = _trtllm_routes()
         rows, hidden = input_tensor.shape[0], input_tensor.shape[-1]
-        if (
-            routed is not None
-            and not routed.fuses_at(rows)
-            and _declined_fits_pcie_ipc(rows, hidden)
-        ):
+        if routed is not None and not routed.fuses_at(rows) and _fits_pcie_ipc(rows, hidden):
             return None, None  # the table routes this size to PCIe-IPC (policy._servable)
         return original(
             input_tensor,
@@ -349,6 +341,7 @@ def plain_by_sm120_pcie(original, input_, *, use_attn_tp_group):
 
 
 HOOKS = (
+    (f"{PCIE_IPC}.PcieIpcCommunicator.prepare", note_pcie_ipc_workspace, HookType.AFTER),
     (f"{FUSION}.ensure_workspace_initialized", ensure_sm120_pcie_workspace, HookType.AROUND),
     (f"{FUSION}.flashinfer_allreduce_residual_rmsnorm", fused_by_sm120_pcie, HookType.AROUND),
     (f"{FUSION}.can_use_flashinfer_allreduce", plain_fits_sm120_pcie, HookType.AROUND),
