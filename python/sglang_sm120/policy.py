@@ -130,6 +130,26 @@ class AllReducePlan:
         above = self.fusion_backend if self.fusion_backend == "trtllm" else None
         return next((b for t, b in self.routes if t >= tokens), above)
 
+    def token_ranges(self, backends: Collection[str]) -> tuple[tuple[int, int | None], ...]:
+        """The token counts ``route_at`` sends to one of ``backends``, as (first, last) ranges
+        with neighbours merged (last None: no upper bound). A per-call check compares a token
+        count with these few bounds (``tokens_in``): under torch.compile each comparison is a
+        guard, and one per route would compile one graph per route."""
+        if not self.routes:
+            return ((1, None),) if self.fusion_backend in backends else ()
+        above = self.fusion_backend if self.fusion_backend == "trtllm" else None
+        ranges: list[tuple[int, int | None]] = []
+        first = 1
+        for last, backend in (*self.routes, (None, above)):
+            if backend in backends:
+                if ranges and ranges[-1][1] == first - 1:
+                    ranges[-1] = (ranges[-1][0], last)
+                else:
+                    ranges.append((first, last))
+            if last is not None:
+                first = last + 1
+        return tuple(ranges)
+
     def fuses_at(self, tokens: int) -> bool:
         """Whether the fusion backend serves a fused point of ``tokens`` rows (elsewhere the
         point is declined: SGLang all-reduces, by the route's backend, and norms separately)."""
@@ -177,6 +197,15 @@ class AllReducePlan:
         return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(
             self.reasons
         )
+
+
+def tokens_in(tokens: Any, ranges: tuple[tuple[int, int | None], ...]) -> bool:
+    """Whether ``tokens`` lies in one of ``ranges`` (``AllReducePlan.token_ranges``); a bound
+    of 1 or None is not compared, so a traced symbolic size meets only real boundaries."""
+    for first, last in ranges:
+        if (first == 1 or tokens >= first) and (last is None or tokens <= last):
+            return True
+    return False
 
 
 def hardware_capability(facts: HostFacts, gpu_ids: Sequence[int] | None = None) -> Capability:

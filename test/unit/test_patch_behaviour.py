@@ -248,7 +248,7 @@ def fresh_launch_plan(monkeypatch):
     from sglang_sm120.patches import sm120_pcie_backend
 
     runtime._launch_plan.cache_clear()
-    monkeypatch.setattr(sm120_pcie_backend, "_trtllm_plan", sm120_pcie_backend._UNRESOLVED)
+    monkeypatch.setattr(sm120_pcie_backend, "_trtllm_to_pcie_ipc", sm120_pcie_backend._UNRESOLVED)
     if hasattr(sm120_pcie_backend, "_pcie_ipc_numel"):
         monkeypatch.setattr(sm120_pcie_backend, "_pcie_ipc_numel", 0)
     yield
@@ -446,7 +446,7 @@ def test_trtllm_decline_traces_under_torch_compile(
     routes = ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm"))
     publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=2)
     monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
-    sm120_pcie_backend._trtllm_routes()  # as ensure_sm120_pcie_workspace does before capture
+    sm120_pcie_backend._trtllm_pcie_ipc_ranges()  # as ensure_sm120_pcie_workspace does first
 
     def point(x):
         out, _ = sm120_pcie_backend.fused_by_sm120_pcie(lambda x, *a: (x * 3, x), x, x, x[0], 1e-6)
@@ -456,3 +456,76 @@ def test_trtllm_decline_traces_under_torch_compile(
     for rows, fused in ((4, True), (16, False), (65, True)):
         x = torch.ones(rows, 8)
         assert compiled(x)[0, 0].item() == (3.0 if fused else 2.0), rows
+
+
+TWELVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+UNEVEN_SIZES = (3, 5, 9, 17, 33, 63, 65, 129, 257, 513, 1025, 2047)  # one in each route's range
+
+
+def graphs_compiled(decide, sizes=UNEVEN_SIZES, hidden: int = 8) -> int:
+    """Graphs torch.compile builds for ``decide(x) -> bool`` over inputs of ``sizes`` rows,
+    with the token dimension dynamic (as SGLang's piecewise graphs trace it)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(
+        lambda x: x * 3 if decide(x) else x + 1, backend=counter, dynamic=True, fullgraph=True
+    )
+    with torch._dynamo.config.patch(recompile_limit=64):  # count them all, past the default 8
+        for rows in sizes:
+            x = torch.ones(rows, hidden, dtype=torch.bfloat16)
+            assert compiled(x)[0, 0].item() == (3.0 if decide(x) else 2.0), rows
+    torch._dynamo.reset()
+    return counter.frame_count
+
+
+def test_a_twelve_route_trtllm_plan_compiles_a_graph_per_decision_not_per_route(
+    monkeypatch, fresh_launch_plan, prepared_pcie_ipc
+):
+    """PCIe-IPC at 1-64 tokens, trtllm above, 12 routes: a decision that changes once gives
+    2 graphs, as upstream's own size check does (fused up to its limit, not above); a lookup
+    comparing each route would give one graph per route."""
+    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.policy import AllReducePlan
+
+    routes = tuple((t, "pcie_ipc" if t <= 64 else "trtllm") for t in TWELVE_SIZES)
+    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=8)
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
+    prepared_pcie_ipc(hidden=8, max_rows=2048)
+    sm120_pcie_backend.ensure_sm120_pcie_workspace(lambda *a: True)  # before capture/compile
+
+    def fused(x):
+        out, _ = sm120_pcie_backend.fused_by_sm120_pcie(lambda x, *a: (x, x), x, x, x[0], 1e-6)
+        return out is not None
+
+    assert graphs_compiled(fused) == 2
+
+
+def test_a_twelve_route_sm120_pcie_plan_compiles_a_graph_per_decision_not_per_route():
+    """Our kernel at 1-64 tokens, NCCL above: the group's decision compiles 2 graphs."""
+    routes = tuple((t, "sm120_pcie" if t <= 64 else "nccl") for t in TWELVE_SIZES)
+    group = sm120_group(routes, plain="nccl", rows=2048, hidden=8)
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    assert graphs_compiled(lambda x: group.serves(x, x, weight)) == 2
+
+
+@pytest.mark.parametrize(
+    "routes",
+    [
+        (),
+        ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm")),
+        ((1, "pcie_ipc"), (2, "pcie_ipc"), (8, "trtllm"), (16, "trtllm"), (64, "pcie_ipc")),
+        ((4, "sm120_pcie"), (16, "sm120_pcie_unfused"), (64, "sm120_pcie"), (256, "nccl")),
+    ],
+)
+def test_token_ranges_answer_as_the_route_lookup_does(routes):
+    from sglang_sm120.policy import AllReducePlan, tokens_in
+
+    for fusion in ("trtllm", "sm120_pcie"):
+        plan = AllReducePlan(True, fusion, "pcie_ipc", ("t",), routes)
+        for backends in ({"trtllm"}, {"pcie_ipc"}, {"sm120_pcie", "sm120_pcie_unfused"}):
+            ranges = plan.token_ranges(backends)
+            assert [tokens_in(t, ranges) for t in range(1, 3000)] == [
+                plan.route_at(t) in backends for t in range(1, 3000)
+            ], (fusion, backends, ranges)
