@@ -9,6 +9,7 @@ test/e2e/test_selftest_lifecycle.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -357,3 +358,81 @@ def test_a_target_whose_config_cannot_be_read_is_one_line_and_exit_2(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"sglang-sm120 selftest: cannot read the config of --target {tmp_path}")
     assert "\n" not in err
+
+
+# ---------------------------------------------------------------- the plan asked for
+
+
+PLAN_FOR = e2e.plan_for  # the real one, for its signature
+
+
+def fp16_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny-fixture-shaped pair whose target is a float16 DeepSeek-V3 (config only)."""
+    from conftest import MODEL_CONFIGS
+    from sglang_sm120 import tiny_models
+
+    target, draft = root / "target", root / "draft"
+    for path in (target, draft):
+        path.mkdir()
+    config = {**MODEL_CONFIGS["DeepseekV3ForCausalLM"], "torch_dtype": "float16"}
+    (target / "config.json").write_text(json.dumps(config))
+    (target / tiny_models.FIXTURE_FILE).write_text("{}")
+    return target, draft
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [
+        ({"torch_dtype": "float16"}, "float16"),
+        ({"dtype": "bfloat16"}, "bfloat16"),
+        ({"text_config": {"torch_dtype": "float16"}, "torch_dtype": "bfloat16"}, "float16"),
+        ({"text_config": {"model_type": "x"}, "torch_dtype": "float16"}, "float16"),
+        ({"torch_dtype": "float32"}, "float16"),  # SGLang's --dtype auto halves float32
+    ],
+)
+def test_the_models_dtype_is_the_one_sglang_serves_it_in(tmp_path, config, dtype) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], **config}))
+    assert e2e.model_dtype(str(tmp_path)) == dtype
+
+
+def test_selftest_asks_doctor_for_the_plan_in_the_models_dtype(monkeypatch, tmp_path) -> None:
+    """doctor assumes bf16 unless told: for an fp16 model it would expect PCIe-IPC where the
+    server rightly runs NCCL, and fail a correct server."""
+    import argparse
+    import inspect
+
+    target, draft = fp16_pair(tmp_path)
+    asked = []
+    monkeypatch.setattr(e2e, "plan_for", lambda *a, **k: asked.append((a, k)) or PLAN_OFF)
+
+    class NoServers:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def get(self, launch):
+            raise e2e.ServerFailed("not started here", tmp_path / "no.log")
+
+    monkeypatch.setattr(e2e, "ServerRuns", NoServers)
+    args = argparse.Namespace(
+        target=str(target), draft=str(draft), backend="auto", min_accept=None, fixture=None
+    )
+    selftest.run_selftest(args, TP, tmp_path / "work", tmp_path / "logs")
+    ((call_args, call_kwargs),) = asked
+    bound = inspect.signature(PLAN_FOR).bind(*call_args, **call_kwargs)
+    assert bound.arguments.get("dtype") == "float16"
+
+
+def test_doctor_plans_nccl_for_an_fp16_model_at_tp8_on_pcie(monkeypatch, tmp_path) -> None:
+    """What the selftest then expects of the server: PCIe-IPC serves bf16 only."""
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
+    target, _ = fp16_pair(tmp_path)
+    plan = e2e.plan_for(
+        8,
+        e2e.model_arch(str(target)),
+        "auto",
+        e2e.hidden_size(str(target)),
+        e2e.model_dtype(str(target)),
+    )
+    assert plan["plain_allreduce"] == "nccl"
+    assert any("PCIe-IPC serves bf16 only, model dtype is float16" in r for r in plan["reasons"])
