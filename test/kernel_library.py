@@ -1,8 +1,9 @@
 """Whether sgl-kernel-sm120 is here, for the tests that need it.
 
 Two questions. Is the compiled library loadable in this process (tests that call the kernel)?
-Would a child process (a server, the CLI) find the package (tests whose expected patch statuses
-depend on it: without it the plugin reports ``sm120_pcie_backend`` as not needed)? Where the
+Would a child process (a server, the CLI) be served by it, as the plugin judges it (the package
+is there and its library loads; tests whose expected plans and patch statuses depend on it:
+without it the plugin reports ``sm120_pcie_backend`` as not needed)? Where the
 answer is no, such tests skip with the reason, or fail where SGLANG_SM120_KERNEL_REQUIRED=1 (CI).
 
     from kernel_library import require_kernel_library
@@ -14,6 +15,7 @@ answer is no, such tests skip with the reason, or fail where SGLANG_SM120_KERNEL
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +23,6 @@ import sys
 import pytest
 
 KERNEL_REQUIRED_ENV = "SGLANG_SM120_KERNEL_REQUIRED"
-NOT_INSTALLED_STATUS = "not needed (sgl-kernel-sm120 is not installed)"
 
 
 def kernel_required() -> bool:
@@ -48,15 +49,24 @@ def library_missing() -> str | None:
 
 @functools.cache
 def package_missing_in_children() -> str | None:
-    """Why a child process with this environment would not find sgl_kernel_sm120, or None.
-
-    Asked of a real child: this process also sees the checkout's sources (conftest.py), which
-    a server started by a test does not."""
-    probe = "import importlib.util as u, sys; sys.exit(u.find_spec('sgl_kernel_sm120') is None)"
-    found = subprocess.run([sys.executable, "-c", probe], env=os.environ, timeout=60).returncode
-    if found == 0:
-        return None
-    return "sgl-kernel-sm120 is not installed (pip install ./sgl-kernel-sm120)"
+    """Why sgl-kernel-sm120 cannot serve a child process with this environment, or None: the
+    plugin's own fact (``facts.sm120_kernel_problem``: the package is there and its library
+    loads), asked of a real child, since this process also sees the checkout's sources
+    (conftest.py), which a server started by a test does not."""
+    probe = (
+        "import json\n"
+        "try:\n"
+        "    from sglang_sm120.facts import sm120_kernel_problem\n"
+        "except ImportError as exc:\n"
+        "    print(json.dumps(f'sglang-sm120 is not importable ({exc})'))\n"
+        "else:\n"
+        "    print(json.dumps(sm120_kernel_problem()))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=os.environ, capture_output=True, text=True, timeout=120
+    )
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else f"the probe failed: {proc.stderr[-300:]}"
 
 
 def _require(reason: str | None) -> None:
@@ -82,4 +92,4 @@ def expected_sm120_pcie_status() -> str:
     missing = package_missing_in_children()
     if missing and kernel_required():
         pytest.fail(f"{KERNEL_REQUIRED_ENV}=1: {missing}")
-    return "applied" if missing is None else NOT_INSTALLED_STATUS
+    return "applied" if missing is None else f"not needed ({missing})"

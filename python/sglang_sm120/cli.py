@@ -402,6 +402,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 0
     lines = [f"sglang-sm120 {__version__} (for sglang {SGLANG_PIN})", "versions:"]
     lines += [f"  {name}: {version or 'not installed'}" for name, version in facts.versions.items()]
+    lines.append(f"  sgl-kernel-sm120 library: {facts.sm120_kernel_problem or 'loads'}")
     lines += _facts_lines(facts)
     if not facts.gpus:
         lines.append(

@@ -193,6 +193,21 @@ def hidden_size(model: str) -> int:
     return int(_text_config(model)["hidden_size"])
 
 
+def model_dtype(model: str) -> str:
+    """The dtype a server runs the model in (``--dtype auto``), decided by SGLang's own rule
+    from the language model's config (a multimodal one nests it in ``text_config``, which may
+    leave the dtype to the outer config): e.g. ``"bfloat16"``; ``float32`` runs as float16."""
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    config, text = model_config(model), _text_config(model)
+    declared = next(
+        (c[k] for c in (text, config) for k in ("dtype", "torch_dtype") if c.get(k)), None
+    )
+    model_type = text.get("model_type", "")
+    resolved = _get_and_verify_dtype({"dtype": declared, "model_type": model_type}, "auto")
+    return str(resolved).removeprefix("torch.")
+
+
 def chat_prompts(target: str, prompts: tuple[str, ...] = REAL_PROMPTS) -> tuple[str, ...]:
     """The prompts in the target's chat format when it has one (drafts are trained on it)."""
     from transformers import AutoTokenizer
@@ -210,19 +225,23 @@ def chat_prompts(target: str, prompts: tuple[str, ...] = REAL_PROMPTS) -> tuple[
 
 # ---------------------------------------------------------------- plan (what the plugin chooses)
 
-_PLANS: dict[tuple[int, str, str, int | None], dict[str, Any]] = {}
+_PLANS: dict[tuple[int, str, str, int | None, str | None], dict[str, Any]] = {}
 
 
-def plan_for(tp: int, model_arch: str, backend: str, hidden: int | None = None) -> dict[str, Any]:
+def plan_for(
+    tp: int, model_arch: str, backend: str, hidden: int | None = None, dtype: str | None = None
+) -> dict[str, Any]:
     """``sglang-sm120 doctor --json`` plan for this host at ``tp`` with the backend asked for,
-    in the environment the server gets; ``hidden`` picks the tuning table the server reads."""
-    key = (tp, model_arch, backend, hidden)
+    in the environment the server gets; ``hidden`` and ``dtype`` (``model_dtype``; doctor
+    assumes bfloat16) are the model's, which pick the tuning table and PCIe-IPC (bf16 only)."""
+    key = (tp, model_arch, backend, hidden, dtype)
     if key not in _PLANS:
         env = gpu_env(tp)
         env[BACKEND_ENV] = backend
         cli = [sys.executable, "-m", "sglang_sm120.cli"]
         cmd = [*cli, "doctor", "--json", "--tp", str(tp), "--model-arch", model_arch]
         cmd += ["--hidden", str(hidden)] if hidden else []
+        cmd += ["--dtype", dtype] if dtype else []
         try:
             done = subprocess.run(
                 cmd + BACKEND_DOCTOR_ARGS[backend],
@@ -240,10 +259,10 @@ def plan_for(tp: int, model_arch: str, backend: str, hidden: int | None = None) 
 
 
 def refused_backend(
-    tp: int, model_arch: str, backend: str, hidden: int | None = None
+    tp: int, model_arch: str, backend: str, hidden: int | None = None, dtype: str | None = None
 ) -> str | None:
     """Why the plan does not give the fused backend asked for by name, or None."""
-    plan = plan_for(tp, model_arch, backend, hidden)
+    plan = plan_for(tp, model_arch, backend, hidden, dtype)
     fusion = plan.get("fusion_backend")
     if backend in ("trtllm", "sm120_pcie") and fusion != backend:
         reasons = "; ".join(plan.get("reasons", []))

@@ -38,6 +38,10 @@ _VERSIONED_PACKAGES = (
     "sgl-kernel-sm120",
     "nvidia-cuda-runtime",
 )
+KERNEL_NOT_INSTALLED = (
+    "sgl-kernel-sm120 is not installed (pip install sgl-kernel-sm120; from a checkout: "
+    "pip install ./sgl-kernel-sm120, which needs nvcc >= 12.8)"
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class HostFacts:
     cuda_driver_version: str | None = None
     versions: dict[str, str | None] = field(default_factory=dict)
     probe_error: str | None = None
+    # Why sgl-kernel-sm120 cannot serve this process (``sm120_kernel_problem()``); None: it loads.
+    sm120_kernel_problem: str | None = KERNEL_NOT_INSTALLED
 
     def gpus_at(self, indices: Iterable[int]) -> tuple[GpuInfo, ...]:
         """The GPUs with these CUDA indices, in that order; indices past the last GPU are left
@@ -94,6 +100,27 @@ class HostFacts:
         data = asdict(self)
         data["gpus"] = [{**asdict(g), "sm": g.sm} for g in self.gpus]
         return data
+
+
+@functools.cache
+def sm120_kernel_problem() -> str | None:
+    """Why sgl-kernel-sm120 cannot serve this process, or None when it can. "Installed" means
+    its compiled library loads, as the kernels load it (a package whose library is missing or
+    of another ABI would have every rank fail to build its workspace). Decided once per
+    process, the same way in the launcher, the workers and doctor."""
+    try:
+        from sgl_kernel_sm120 import _lib
+    except ImportError:
+        return KERNEL_NOT_INSTALLED
+    try:
+        _lib.lib()
+    except Exception as exc:  # LibraryError (missing, stale ABI), OSError (dlopen), ...
+        try:
+            version = metadata.version("sgl-kernel-sm120")
+        except metadata.PackageNotFoundError:
+            version = "(from sources)"
+        return f"sgl-kernel-sm120 {version} is installed, but its library does not load: {exc}"
+    return None
 
 
 def _package_versions() -> dict[str, str | None]:
@@ -135,6 +162,7 @@ def facts_from_json(data: Any, source: str) -> HostFacts:
         driver_version=data.get("driver_version"),
         cuda_driver_version=data.get("cuda_driver_version"),
         versions=_package_versions(),
+        sm120_kernel_problem=sm120_kernel_problem(),
     )
 
 
@@ -238,17 +266,15 @@ def _p2p_ok(nvml: Any, a: Any, b: Any) -> bool:
 
 def probe_host() -> HostFacts:
     """Read this machine through NVML. Never raises: failures are recorded in ``probe_error``."""
-    versions = _package_versions()
+    software = {"versions": _package_versions(), "sm120_kernel_problem": sm120_kernel_problem()}
     try:
         import pynvml as nvml
     except ImportError:
-        return HostFacts(
-            source="nvml", versions=versions, probe_error="nvidia-ml-py is not installed"
-        )
+        return HostFacts(source="nvml", probe_error="nvidia-ml-py is not installed", **software)
     try:
         nvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return HostFacts(source="nvml", versions=versions, probe_error=f"NVML unavailable: {exc}")
+        return HostFacts(source="nvml", probe_error=f"NVML unavailable: {exc}", **software)
     try:
         indices = visible_nvml_indices(nvml.nvmlDeviceGetCount(), nvml)
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
@@ -271,10 +297,10 @@ def probe_host() -> HostFacts:
             has_nvlink=any(_has_nvlink(nvml, h) for h in handles),
             driver_version=_text(nvml.nvmlSystemGetDriverVersion()),
             cuda_driver_version=f"{cuda_driver // 1000}.{cuda_driver % 1000 // 10}",
-            versions=versions,
+            **software,
         )
     except Exception as exc:
-        return HostFacts(source="nvml", versions=versions, probe_error=f"NVML query failed: {exc}")
+        return HostFacts(source="nvml", probe_error=f"NVML query failed: {exc}", **software)
     finally:
         try:
             nvml.nvmlShutdown()

@@ -155,6 +155,26 @@ class AllReducePlan:
         above = self.fusion_backend if self.fusion_backend == "trtllm" else None
         return next((b for t, b in self.routes if t >= tokens), above)
 
+    def token_ranges(self, backends: Collection[str]) -> tuple[tuple[int, int | None], ...]:
+        """The token counts ``route_at`` sends to one of ``backends``, as (first, last) ranges
+        with neighbours merged (last None: no upper bound). A per-call check compares a token
+        count with these few bounds (``tokens_in``): under torch.compile each comparison is a
+        guard, and one per route would compile one graph per route."""
+        if not self.routes:
+            return ((1, None),) if self.fusion_backend in backends else ()
+        above = self.fusion_backend if self.fusion_backend == "trtllm" else None
+        ranges: list[tuple[int, int | None]] = []
+        first = 1
+        for last, backend in (*self.routes, (None, above)):
+            if backend in backends:
+                if ranges and ranges[-1][1] == first - 1:
+                    ranges[-1] = (ranges[-1][0], last)
+                else:
+                    ranges.append((first, last))
+            if last is not None:
+                first = last + 1
+        return tuple(ranges)
+
     def fuses_at(self, tokens: int) -> bool:
         """Whether the fusion backend serves a fused point of ``tokens`` rows (elsewhere the
         point is declined: SGLang all-reduces, by the route's backend, and norms separately)."""
@@ -202,6 +222,15 @@ class AllReducePlan:
         return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(
             self.reasons
         )
+
+
+def tokens_in(tokens: Any, ranges: tuple[tuple[int, int | None], ...]) -> bool:
+    """Whether ``tokens`` lies in one of ``ranges`` (``AllReducePlan.token_ranges``); a bound
+    of 1 or None is not compared, so a traced symbolic size meets only real boundaries."""
+    for first, last in ranges:
+        if (first == 1 or tokens >= first) and (last is None or tokens <= last):
+            return True
+    return False
 
 
 def hardware_capability(
@@ -354,11 +383,8 @@ def _fusion_blocker(
 
 def _sm120_pcie_blocker(facts: HostFacts, d: Deployment) -> str | None:
     """Why sgl-kernel-sm120's fused kernel cannot serve this launch, or None."""
-    if facts.versions.get("sgl-kernel-sm120") is None:
-        return (
-            "sgl-kernel-sm120 is not installed (pip install sgl-kernel-sm120; from a checkout: "
-            "pip install ./sgl-kernel-sm120, which needs nvcc >= 12.8)"
-        )
+    if facts.sm120_kernel_problem is not None:
+        return facts.sm120_kernel_problem
     if d.tp_size not in SM120_PCIE_WORLD_SIZES:
         return f"sgl-kernel-sm120 serves TP 2/4/8, not {d.tp_size}"
     if d.dtype is not None and d.dtype not in SM120_PCIE_DTYPES:
@@ -536,15 +562,16 @@ def _declined_to(
 
 
 def _servable(
-    fusion: str | None, plain: str, declined_to: str | None, kernel_installed: bool
+    fusion: str | None, plain: str, declined_to: str | None, kernel_usable: bool
 ) -> frozenset[str]:
     """The table backends one server can run at a fused point: its fusion backend (one per
     server: trtllm and sm120_pcie exclude each other), what a declined point is all-reduced by,
     and under sm120_pcie with its plain all-reduce ours, our all-reduce + SGLang's norm
     (sm120_pcie_unfused). trtllm is declined per size by the sm120_pcie_backend patch, which
-    needs sgl-kernel-sm120 installed; without it trtllm serves every size."""
+    needs sgl-kernel-sm120 (``HostFacts.sm120_kernel_problem``); without it trtllm serves every
+    size."""
     backends = {fusion} if fusion is not None else set()
-    if declined_to is not None and not (fusion == "trtllm" and not kernel_installed):
+    if declined_to is not None and not (fusion == "trtllm" and not kernel_usable):
         backends.add(declined_to)
     if fusion == "sm120_pcie" and plain == "sm120_pcie":
         backends.add("sm120_pcie_unfused")
@@ -582,7 +609,7 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     bad = excluded(table)
     note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
     pcie_ipc_usable = _plan_plain(cap, facts, d, None)[0] == "pcie_ipc"
-    kernel_installed = facts.versions.get("sgl-kernel-sm120") is not None
+    kernel_usable = facts.sm120_kernel_problem is None
     # Upstream builds its custom all-reduce at world size 2 (v1 over PCIe) or with NVLink, and
     # resolves an untagged all-reduce to it before PCIe-IPC and NCCL.
     custom_ar_first = d.custom_all_reduce and (d.tp_size == 2 or facts.has_nvlink)
@@ -599,7 +626,7 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     for fusion, pcie_behind in candidates:
         plain, plain_reason = _plan_plain(cap, facts, d, fusion)
         declined_to = _declined_to(fusion, plain, pcie_behind, custom_ar_first)
-        allowed = _servable(fusion, plain, declined_to, kernel_installed)
+        allowed = _servable(fusion, plain, declined_to, kernel_usable)
         routes = winners(table, allowed, prefer=fusion)
         if set(routes) != set(best_us):
             continue  # a measured size this candidate cannot serve
@@ -643,8 +670,8 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             why = "custom all-reduce would take a declined point, untimed"
         elif fusion == "trtllm" and plain != "pcie_ipc":
             why = "a declined trtllm point would run trtllm's own all-reduce"
-        elif fusion == "trtllm" and not kernel_installed:
-            why = "sgl-kernel-sm120 is not installed: nothing declines a trtllm point"
+        elif fusion == "trtllm" and not kernel_usable:
+            why = "sgl-kernel-sm120 cannot run here: nothing declines a trtllm point"
         elif backend in ("pcie_ipc", "nccl"):
             why = "a server has one path for declined points, here " + (
                 "PCIe-IPC" if "pcie_ipc" in allowed else "NCCL"
@@ -661,10 +688,17 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             "(--disable-custom-all-reduce lets the table route sizes)"
         )
     pcie = [t for t, b in routes.items() if b == "pcie_ipc"]
+    if pcie and fusion == "trtllm":
+        reasons.append(
+            f"the trtllm points at {pcie} tokens are declined to PCIe-IPC where its workspace "
+            "(sized by upstream for the widest decode batch) holds them; larger ones stay on "
+            "trtllm"
+        )
     if pcie and plain == "sm120_pcie":
         reasons.append(
             f"PCIe-IPC on behind sgl-kernel-sm120: the points at {pcie} tokens are declined and "
-            "all-reduced by PCIe-IPC, as is any all-reduce that our kernel declines and that fits "
-            "PCIe-IPC's workspace"
+            "all-reduced by PCIe-IPC where its workspace holds them (larger ones stay on our "
+            "kernel), as is any all-reduce that our kernel declines and that fits PCIe-IPC's "
+            "workspace"
         )
     return AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))

@@ -440,7 +440,7 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
     progress(f"asking sglang-sm120 doctor for the plan at tp={tp}")
     try:
         plan: dict[str, Any] | None = e2e.plan_for(
-            tp, arch, args.backend, e2e.hidden_size(pair.target)
+            tp, arch, args.backend, e2e.hidden_size(pair.target), e2e.model_dtype(pair.target)
         )
     except (RuntimeError, ValueError, KeyError) as exc:  # ValueError: its output was not JSON
         lines = str(exc).strip().splitlines() or [repr(exc)]

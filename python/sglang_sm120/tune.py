@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sm120.facts import current_facts
-from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+from sglang_sm120.tuning import (
+    Measurement,
+    TuningTable,
+    cache_write_problem,
+    host_fingerprint,
+    save_table,
+)
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 EPS = 1e-6
@@ -458,6 +464,9 @@ def run_tune(settings: TuneSettings) -> tuple[TuningTable, Path]:
     """Measure, build the table for this host and save it; returns (table, path)."""
     import torch
 
+    problem = cache_write_problem()  # said now, not after minutes of measuring
+    if problem:
+        raise ValueError(problem)
     if not torch.cuda.is_available():
         raise RuntimeError("needs CUDA GPUs; torch sees none")
     if settings.tp < 2:

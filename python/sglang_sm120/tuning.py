@@ -22,10 +22,12 @@ Example::
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -107,9 +109,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sglang-sm120")
 
 
+def _cache_name(directory: Path) -> str:
+    """The cache directory as a user set it: ``SGLANG_SM120_CACHE_DIR=<dir>``, or the default."""
+    if os.environ.get(CACHE_ENV):
+        return f"{CACHE_ENV}={directory}"
+    return f"cache directory {directory}"
+
+
 def table_path(fingerprint: dict[str, Any], tp: int, hidden: int, dtype: str) -> Path:
     name = f"allreduce-{fingerprint_id(fingerprint)}-tp{tp}-h{hidden}-{dtype}.json"
     return cache_dir() / name
+
+
+def cache_write_problem() -> str | None:
+    """Why ``save_table`` could not write into the cache directory (not a directory, no
+    permission), or None: asked before ``tune`` measures, not after."""
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        why = exc.strerror or exc
+        return f"{_cache_name(directory)} is not writable ({why}); set {CACHE_ENV} to a directory"
+    return None
 
 
 def save_table(table: TuningTable) -> Path:
@@ -124,17 +147,28 @@ def save_table(table: TuningTable) -> Path:
 def load_table(
     facts: HostFacts, tp: int, hidden: int, dtype: str, gpu_ids: tuple[int, ...] | None = None
 ) -> tuple[TuningTable | None, str]:
-    """The table for this host and shape, or None with the reason (missing, stale, unreadable)."""
+    """The table for this host and shape, or None with the reason (missing, stale, unreadable).
+    Never raises: a cache directory that cannot be read (not a directory, no permission) is
+    named in the reason, and the server plans without a table."""
     fingerprint = host_fingerprint(facts, tp, gpu_ids)
     path = table_path(fingerprint, tp, hidden, dtype)
-    if not path.exists():
-        others = sorted(cache_dir().glob(f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json"))
+    directory = path.parent
+    try:
+        names: list[str] | None = os.listdir(directory)
+    except FileNotFoundError:
+        names = None  # not created yet: tune creates it
+    except OSError as exc:
+        return None, f"no tuning table: {_cache_name(directory)} unreadable ({exc.strerror or exc})"
+    if names is None or path.name not in names:
+        others = fnmatch.filter(names or [], f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json")
         if others:
             return None, f"tuning table stale: {len(others)} table(s) for other hosts or versions"
-        return None, f"no tuning table ({path.name}); run `sglang-sm120 tune --tp {tp}`"
+        unwritable = names is not None and not os.access(directory, os.W_OK | os.X_OK)
+        where = f" ({_cache_name(directory)} is not writable)" if unwritable else ""
+        return None, f"no tuning table ({path.name}); run `sglang-sm120 tune --tp {tp}`{where}"
     try:
         table = TuningTable.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         return None, f"tuning table {path} unreadable: {exc}"
     if table.version != TABLE_VERSION or table.fingerprint != fingerprint:
         return None, f"tuning table {path.name} stale: written for another host or version"

@@ -45,6 +45,7 @@ from sglang_sm120.e2e import (
     known_threshold,
     missing_prerequisite,
     model_arch,
+    model_dtype,
     num_layers,
     plan_for,
     refused_backend,
@@ -74,12 +75,14 @@ def require_gpus(tp: int) -> None:
 
 def case_plan(tp: int, model: str, backend: str) -> dict[str, Any]:
     """The plan for this model at ``tp`` with the backend asked for."""
-    return plan_for(tp, model_arch(model), backend, hidden_size(model))
+    return plan_for(tp, model_arch(model), backend, hidden_size(model), model_dtype(model))
 
 
 def expected_fusion(tp: int, model: str, backend: str) -> str | None:
     """The fusion backend the plan promises, or skip when it refuses the one asked for."""
-    refused = refused_backend(tp, model_arch(model), backend, hidden_size(model))
+    refused = refused_backend(
+        tp, model_arch(model), backend, hidden_size(model), model_dtype(model)
+    )
     if refused:
         pytest.skip(refused)
     return case_plan(tp, model, backend).get("fusion_backend")

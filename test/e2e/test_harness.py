@@ -132,8 +132,8 @@ def test_gpu_env_pins_the_first_gpus_and_keeps_the_plugin_on(monkeypatch) -> Non
 
 def test_a_refused_fused_backend_is_reported_with_the_plans_reasons(monkeypatch) -> None:
     plan = {"fusion_backend": None, "plain_allreduce": "nccl", "reasons": ["no P2P on 0-1"]}
-    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "trtllm", None), plan)
-    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "off", None), plan)
+    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "trtllm", None, None), plan)
+    monkeypatch.setitem(h._PLANS, (2, "DeepseekV3ForCausalLM", "off", None, None), plan)
     assert "no P2P on 0-1" in h.refused_backend(2, "DeepseekV3ForCausalLM", "trtllm")
     assert h.refused_backend(2, "DeepseekV3ForCausalLM", "off") is None
 

@@ -205,7 +205,7 @@ def fused_where_the_table_routed_off_trtllm(norm) -> dict:
     def republish(value: str) -> None:
         os.environ[runtime.LAUNCH_PLAN_ENV] = value
         runtime._launch_plan.cache_clear()
-        sm120_pcie_backend._trtllm_plan = sm120_pcie_backend._UNRESOLVED
+        sm120_pcie_backend._trtllm_to_pcie_ipc = sm120_pcie_backend._UNRESOLVED
 
     published = os.environ[runtime.LAUNCH_PLAN_ENV]
     launched = json.loads(published)
@@ -416,6 +416,9 @@ def worker(out_dir: str, variant: str, rank: int, port: int) -> dict:
     configure_logger(server_args, prefix=f" TP{rank}")
     result["patches"] = dict(PATCH_STATUS)  # checked once logging is configured
     sm120_pcie_backend.KERNEL = recording_kernel
+    # On a CPU device upstream's PCIe-IPC communicator stays disabled, so its prepare() never
+    # sizes a workspace; what it holds on a CUDA host after prepare (64 decode rows):
+    sm120_pcie_backend._pcie_ipc_numel = 64 * HIDDEN
     # flashinfer is not installed here; on a CUDA host this is flashinfer.comm, and upstream
     # only checks it for None on the paths rehearsed (attribute access would raise here).
     flashinfer_comm_fusion._flashinfer_comm = types.ModuleType("flashinfer.comm (absent)")

@@ -133,6 +133,24 @@ def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
     assert len(report["facts"]["gpus"]) == 8 and report["facts"]["has_nvlink"] is False
 
 
+def test_doctor_shows_a_kernel_library_that_does_not_load_and_plans_without_it():
+    broken = "/nonexistent/libsgl_kernel_sm120.so"
+    env = {
+        "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
+        "SGLANG_SM120_FUSION_BACKEND": "sm120_pcie",
+        "SGLANG_SM120_KERNEL_LIBRARY": broken,
+    }
+    proc = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    library = [line for line in lines if line.startswith("  sgl-kernel-sm120 library: ")]
+    assert len(library) == 1 and "does not load" in library[0] and broken in library[0]
+    backend = [line.split(None, 1)[1] for line in lines if "sm120_pcie_backend " in line]
+    assert backend[0].startswith("not needed (sgl-kernel-sm120") and broken in backend[0]
+    assert "plan for tp=8: fusion_backend=off  plain_allreduce=pcie_ipc" in proc.stdout
+    assert "requested sm120_pcie refused" in proc.stdout
+
+
 def test_doctor_text_shows_p2p_matrix_and_kill_switch_state():
     proc = run_cli(
         "doctor", env={"SGLANG_SM120_TOPOLOGY": "rtx-5090-x2-nop2p", "SGLANG_SM120_DISABLE": "1"}

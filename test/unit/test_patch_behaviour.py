@@ -248,7 +248,9 @@ def fresh_launch_plan(monkeypatch):
     from sglang_sm120.patches import sm120_pcie_backend
 
     runtime._launch_plan.cache_clear()
-    monkeypatch.setattr(sm120_pcie_backend, "_trtllm_plan", sm120_pcie_backend._UNRESOLVED)
+    monkeypatch.setattr(sm120_pcie_backend, "_trtllm_to_pcie_ipc", sm120_pcie_backend._UNRESOLVED)
+    if hasattr(sm120_pcie_backend, "_pcie_ipc_numel"):
+        monkeypatch.setattr(sm120_pcie_backend, "_pcie_ipc_numel", 0)
     yield
     runtime._launch_plan.cache_clear()
 
@@ -292,46 +294,159 @@ def trtllm_points(monkeypatch, routes, tp: int, sizes) -> dict[int, tuple]:
 
 
 def test_trtllm_point_declined_where_the_table_routes_the_size_elsewhere(
-    monkeypatch, fresh_launch_plan
+    monkeypatch, fresh_launch_plan, prepared_pcie_ipc
 ):
     """A trtllm plan whose table found PCIe-IPC or NCCL faster at some sizes: those fused
     points are handed back (SGLang then all-reduces and norms separately), the others reach
     upstream's trtllm call unchanged."""
+    prepared_pcie_ipc(hidden=64, max_rows=64)
     routes = ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm"))
     answers = trtllm_points(monkeypatch, routes, 2, (4, 16, 64, 65))
     declined = [n for n, (out, _) in answers.items() if out is None]
     assert declined == [16, 64]
 
 
+class RecordingPcieIpcWorkspace:
+    """FlashInfer's PcieIpcAllReduceWorkspace, which needs CUDA GPUs: records its sizing."""
+
+    def __init__(self, *, group, max_numel, dtype, tune_batches, tune_cache):
+        self.max_numel = max_numel
+
+
+@pytest.fixture
+def prepared_pcie_ipc(monkeypatch):
+    """Upstream's PCIe-IPC communicator of an 8-rank TP group, built and prepared as the runner
+    does before graph capture (``prepare(hidden, max_rows=<its widest decode rows>)``), with
+    the plugin's hooks on ``prepare`` applied as SGLang's registry applies them. Faked: the
+    process group (torch's fake backend), the device and FlashInfer's CUDA workspace."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.device_communicators import pcie_ipc_ar
+    from sglang.srt.plugins.hook_registry import _wrap_fn
+    from sglang_sm120.patches import sm120_pcie_backend
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    target = f"{pcie_ipc_ar.__name__}.PcieIpcCommunicator.prepare"
+    prepare = pcie_ipc_ar.PcieIpcCommunicator.prepare
+    for hook_target, hook, hook_type in sm120_pcie_backend.HOOKS:
+        if hook_target == target:
+            prepare = _wrap_fn(prepare, hook, hook_type)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+
+    def build(hidden: int, max_rows: int | None):
+        comm = pcie_ipc_ar.PcieIpcCommunicator(dist.group.WORLD, torch.device("cuda:0"))
+        assert not comm.disabled
+        comm._workspace_cls, comm._device = RecordingPcieIpcWorkspace, torch.device("cpu")
+        prepare(comm, hidden=hidden, max_rows=max_rows)
+        return comm
+
+    yield build
+    dist.destroy_process_group()
+
+
+def pool_clamped_eagle_server():
+    """max_bs 256, 4 draft tokens, 16 running requests: the decode config says 256 x 4 = 1024
+    rows, the runner (clamped to the request pool) captures at most 16 x 4 = 64."""
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
+    from sglang.srt.runtime_context import get_context
+
+    return get_context().override_server_args(
+        cuda_graph_config=CudaGraphConfig.from_dict({"decode": {"max_bs": 256}}),
+        speculative_algorithm="EAGLE3",
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=4,
+        max_running_requests=16,
+    )
+
+
+def test_trtllm_point_declined_only_where_pcie_ipc_really_holds_it(
+    monkeypatch, fresh_launch_plan, prepared_pcie_ipc
+):
+    """PCIe-IPC's workspace is what upstream built it for (the runner's widest decode rows,
+    64 here), not the unclamped decode width (1024): points of 65-1024 rows declined off
+    trtllm would land on NCCL, so they stay on trtllm."""
+    from sglang.srt.distributed.device_communicators import pcie_ipc_ar
+
+    monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
+    routes = ((4, "trtllm"), (1024, "pcie_ipc"), (2048, "trtllm"))
+    with pool_clamped_eagle_server():
+        assert pcie_ipc_ar._decode_width() == 1024
+        comm = prepared_pcie_ipc(hidden=64, max_rows=64)
+        answers = trtllm_points(monkeypatch, routes, 8, (4, 16, 64, 65, 1024, 1025))
+    assert comm.max_numel == 64 * 64
+    assert [n for n, (out, _) in answers.items() if out is None] == [16, 64]
+
+
 @pytest.mark.parametrize(
     ("max_numel", "declined"), [(None, [16, 64]), (128 * 64, [16, 64, 65, 128])]
 )
 def test_trtllm_point_declined_only_where_pcie_ipc_can_take_it(
-    monkeypatch, fresh_launch_plan, max_numel, declined
+    monkeypatch, fresh_launch_plan, prepared_pcie_ipc, max_numel, declined
 ):
-    """PCIe-IPC's workspace holds the decode width (here upstream's fallback, 64 rows: no
-    server config) or SGLANG_PCIE_IPC_MAX_NUMEL; a larger point declined off trtllm would run
+    """Without a server config upstream sizes PCIe-IPC from its fallback width (64 rows);
+    SGLANG_PCIE_IPC_MAX_NUMEL overrides it. A larger point declined off trtllm would run
     NCCL, so it stays on trtllm whatever the table's route."""
     if max_numel is None:
         monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
     else:
         monkeypatch.setenv("SGLANG_PCIE_IPC_MAX_NUMEL", str(max_numel))
+    prepared_pcie_ipc(hidden=64, max_rows=None)
     routes = ((4, "trtllm"), (256, "pcie_ipc"))
-    answers = trtllm_points(monkeypatch, routes, 4, (4, 16, 64, 65, 128, 256, 300))
+    answers = trtllm_points(monkeypatch, routes, 8, (4, 16, 64, 65, 128, 129, 300))
     assert [n for n, (out, _) in answers.items() if out is None] == declined
 
 
-def test_trtllm_decline_traces_under_torch_compile(monkeypatch, fresh_launch_plan):
+def test_without_pcie_ipc_no_trtllm_point_is_declined(monkeypatch, fresh_launch_plan):
+    """No PCIe-IPC workspace was built (the communicator is off or its build failed): a
+    declined point would run NCCL, so trtllm keeps every size."""
+    routes = ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm"))
+    answers = trtllm_points(monkeypatch, routes, 2, (4, 16, 64))
+    assert all(out is not None for out, _ in answers.values())
+
+
+def test_pcie_ipc_routes_behind_our_kernel_stay_on_it_where_pcie_ipc_cannot_hold_them(
+    monkeypatch, fresh_launch_plan, prepared_pcie_ipc
+):
+    """sm120_pcie with PCIe-IPC behind it: a size the table gave to PCIe-IPC is handed to it
+    only where its workspace holds the input; larger ones stay on sgl-kernel-sm120 (fused and
+    plain) instead of falling to NCCL."""
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
+    routes = ((4, "sm120_pcie"), (256, "pcie_ipc"))
+    group = sm120_group(routes, rows=256)
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {True: group})
+    monkeypatch.setattr(
+        sm120_pcie_backend,
+        "KERNEL",
+        SimpleNamespace(
+            validate_all_reduce=lambda *a, **k: None, validate_fused=lambda *a, **k: None
+        ),
+    )
+    prepared_pcie_ipc(hidden=64, max_rows=32)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    sizes = (4, 16, 32, 33, 256)
+    fused = {
+        n: group.serves(torch.ones(n, 64, dtype=torch.bfloat16), weight, weight) for n in sizes
+    }
+    plain = {n: group.serves(torch.ones(n, 64, dtype=torch.bfloat16)) for n in sizes}
+    assert fused == plain == {4: True, 16: False, 32: False, 33: True, 256: True}
+
+
+def test_trtllm_decline_traces_under_torch_compile(
+    monkeypatch, fresh_launch_plan, prepared_pcie_ipc
+):
     """The fused point is traced by torch.compile (--enable-torch-compile): once the workspace
     setup resolved the plan, the decision is integer comparisons (fullgraph, no graph break),
     with the eager answers."""
     from sglang_sm120.patches import sm120_pcie_backend
     from sglang_sm120.policy import AllReducePlan
 
+    prepared_pcie_ipc(hidden=8, max_rows=64)
+
     routes = ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm"))
     publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=2)
     monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
-    sm120_pcie_backend._trtllm_routes()  # as ensure_sm120_pcie_workspace does before capture
+    sm120_pcie_backend._trtllm_pcie_ipc_ranges()  # as ensure_sm120_pcie_workspace does first
 
     def point(x):
         out, _ = sm120_pcie_backend.fused_by_sm120_pcie(lambda x, *a: (x * 3, x), x, x, x[0], 1e-6)
@@ -341,3 +456,76 @@ def test_trtllm_decline_traces_under_torch_compile(monkeypatch, fresh_launch_pla
     for rows, fused in ((4, True), (16, False), (65, True)):
         x = torch.ones(rows, 8)
         assert compiled(x)[0, 0].item() == (3.0 if fused else 2.0), rows
+
+
+TWELVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+UNEVEN_SIZES = (3, 5, 9, 17, 33, 63, 65, 129, 257, 513, 1025, 2047)  # one in each route's range
+
+
+def graphs_compiled(decide, sizes=UNEVEN_SIZES, hidden: int = 8) -> int:
+    """Graphs torch.compile builds for ``decide(x) -> bool`` over inputs of ``sizes`` rows,
+    with the token dimension dynamic (as SGLang's piecewise graphs trace it)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(
+        lambda x: x * 3 if decide(x) else x + 1, backend=counter, dynamic=True, fullgraph=True
+    )
+    with torch._dynamo.config.patch(recompile_limit=64):  # count them all, past the default 8
+        for rows in sizes:
+            x = torch.ones(rows, hidden, dtype=torch.bfloat16)
+            assert compiled(x)[0, 0].item() == (3.0 if decide(x) else 2.0), rows
+    torch._dynamo.reset()
+    return counter.frame_count
+
+
+def test_a_twelve_route_trtllm_plan_compiles_a_graph_per_decision_not_per_route(
+    monkeypatch, fresh_launch_plan, prepared_pcie_ipc
+):
+    """PCIe-IPC at 1-64 tokens, trtllm above, 12 routes: a decision that changes once gives
+    2 graphs, as upstream's own size check does (fused up to its limit, not above); a lookup
+    comparing each route would give one graph per route."""
+    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.policy import AllReducePlan
+
+    routes = tuple((t, "pcie_ipc" if t <= 64 else "trtllm") for t in TWELVE_SIZES)
+    publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=8)
+    monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
+    prepared_pcie_ipc(hidden=8, max_rows=2048)
+    sm120_pcie_backend.ensure_sm120_pcie_workspace(lambda *a: True)  # before capture/compile
+
+    def fused(x):
+        out, _ = sm120_pcie_backend.fused_by_sm120_pcie(lambda x, *a: (x, x), x, x, x[0], 1e-6)
+        return out is not None
+
+    assert graphs_compiled(fused) == 2
+
+
+def test_a_twelve_route_sm120_pcie_plan_compiles_a_graph_per_decision_not_per_route():
+    """Our kernel at 1-64 tokens, NCCL above: the group's decision compiles 2 graphs."""
+    routes = tuple((t, "sm120_pcie" if t <= 64 else "nccl") for t in TWELVE_SIZES)
+    group = sm120_group(routes, plain="nccl", rows=2048, hidden=8)
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    assert graphs_compiled(lambda x: group.serves(x, x, weight)) == 2
+
+
+@pytest.mark.parametrize(
+    "routes",
+    [
+        (),
+        ((4, "trtllm"), (64, "pcie_ipc"), (2048, "trtllm")),
+        ((1, "pcie_ipc"), (2, "pcie_ipc"), (8, "trtllm"), (16, "trtllm"), (64, "pcie_ipc")),
+        ((4, "sm120_pcie"), (16, "sm120_pcie_unfused"), (64, "sm120_pcie"), (256, "nccl")),
+    ],
+)
+def test_token_ranges_answer_as_the_route_lookup_does(routes):
+    from sglang_sm120.policy import AllReducePlan, tokens_in
+
+    for fusion in ("trtllm", "sm120_pcie"):
+        plan = AllReducePlan(True, fusion, "pcie_ipc", ("t",), routes)
+        for backends in ({"trtllm"}, {"pcie_ipc"}, {"sm120_pcie", "sm120_pcie_unfused"}):
+            ranges = plan.token_ranges(backends)
+            assert [tokens_in(t, ranges) for t in range(1, 3000)] == [
+                plan.route_at(t) in backends for t in range(1, 3000)
+            ], (fusion, backends, ranges)

@@ -231,6 +231,23 @@ def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
     )
 
 
+def test_a_cache_dir_that_cannot_be_read_leaves_server_args_resolving(model_dirs, tmp_path):
+    """Upstream alone starts and the default plan needs no table: a cache directory the
+    launcher cannot read (here a name the file system refuses) is a reason, not a crash."""
+    unreadable = tmp_path / ("x" * 300)
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        env={"SGLANG_SM120_CACHE_DIR": str(unreadable)},
+    )
+    plan = json.loads(result["launch_plan"]["8"])["plan"]
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == (None, "pcie_ipc")
+    assert any(
+        f"SGLANG_SM120_CACHE_DIR={unreadable} unreadable (File name too long)" in r
+        for r in plan["reasons"]
+    )
+
+
 def test_worker_that_sees_one_gpu_decides_from_the_tp_group(model_dirs, tmp_path):
     """SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: each worker's NVML view is its own GPU."""
     one_gpu = tmp_path / "one-gpu.json"
@@ -428,6 +445,25 @@ def test_sm120_pcie_backend_is_chosen_through_upstream_code_paths(model_dirs):
     assert result["flashinfer_allreduce_only"] == {"2": True, "8": True}
     assert result["pcie_ipc_eligible"] == {"2": False, "8": False}
     assert "fusion=sm120_pcie, plain all-reduce=sm120_pcie" in result["log"]
+
+
+def test_a_kernel_library_that_does_not_load_is_planned_as_absent(model_dirs):
+    """sgl-kernel-sm120 installed, its compiled library missing: every rank would fail to
+    build its workspace, so launcher and workers judge the package by loading the library,
+    plan without it and say why."""
+    broken = "/nonexistent/libsgl_kernel_sm120.so"
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        env={"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie", "SGLANG_SM120_KERNEL_LIBRARY": broken},
+    )
+    plan = json.loads(result["launch_plan"]["8"])["plan"]
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == (None, "pcie_ipc")
+    assert any("requested sm120_pcie refused" in r and broken in r for r in plan["reasons"])
+    assert result["pcie_ipc_eligible"] == {"8": True}
+    status = result["patches"]["sm120_pcie_backend"]
+    assert status.startswith("not needed (sgl-kernel-sm120") and broken in status
+    assert result["launcher_patches"]["sm120_pcie_backend"] == "not used in the launcher"
 
 
 def test_sm120_pcie_refused_without_p2p(model_dirs):

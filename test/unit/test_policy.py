@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from sglang_sm120.facts import facts_from_json, load_profile
+from sglang_sm120.facts import KERNEL_NOT_INSTALLED, facts_from_json, load_profile
 from sglang_sm120.policy import Deployment, hardware_capability, plan_allreduce
 
 ARCHS = frozenset({"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"})
@@ -43,7 +43,7 @@ def mixed_host():
 
 
 WITH_KERNEL = dataclasses.replace(
-    PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": "0.5.23.1"}
+    PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": "0.5.23.1"}, sm120_kernel_problem=None
 )
 SM120_PCIE = "sm120_pcie"
 
@@ -250,9 +250,15 @@ def test_capability_lists_missing_pairs():
 # --- sgl-kernel-sm120 backend and tuning tables ------------------------------------------------
 
 WITH_KERNEL = dataclasses.replace(
-    PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": "0.5.23.1"}
+    PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": "0.5.23.1"}, sm120_kernel_problem=None
 )
-WITHOUT_KERNEL = dataclasses.replace(PCIE8, versions={**PCIE8.versions, "sgl-kernel-sm120": None})
+WITHOUT_KERNEL = dataclasses.replace(
+    PCIE8,
+    versions={**PCIE8.versions, "sgl-kernel-sm120": None},
+    sm120_kernel_problem=KERNEL_NOT_INSTALLED,
+)
+LIBRARY_ERROR = "sgl-kernel-sm120 0.5.23.1 is installed, but its library does not load: /x.so"
+BROKEN_KERNEL = dataclasses.replace(WITH_KERNEL, sm120_kernel_problem=LIBRARY_ERROR)
 
 
 def table(rows, fingerprint=None):
@@ -299,6 +305,20 @@ BACKEND_ROWS = [
         "env sm120_pcie without the kernel package",
         WITHOUT_KERNEL,
         D(8, model_arch=KIMI, plugin_backend="sm120_pcie"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "env sm120_pcie, the kernel's library does not load",
+        BROKEN_KERNEL,
+        D(8, model_arch=KIMI, plugin_backend="sm120_pcie"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "table: sm120_pcie wins, the kernel's library does not load",
+        BROKEN_KERNEL,
+        D(8, model_arch=KIMI, tuning=SM120_WINS_SMALL),
         None,
         "pcie_ipc",
     ),
@@ -390,6 +410,11 @@ BACKEND_ROWS = [
 def test_backend_and_tuning_table(facts, deployment, fusion, plain):
     plan = plan_allreduce(facts, deployment, ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == (fusion, plain), plan.reasons
+
+
+def test_a_kernel_library_that_does_not_load_is_the_reason_sm120_pcie_is_refused():
+    plan = plan_allreduce(BROKEN_KERNEL, D(8, model_arch=KIMI, plugin_backend="sm120_pcie"), ARCHS)
+    assert f"fusion off (requested sm120_pcie refused): {LIBRARY_ERROR}" in plan.reasons
 
 
 def test_table_routes_sm120_pcie_only_where_it_won():
@@ -813,7 +838,9 @@ def test_with_nvlink_custom_all_reduce_takes_declined_points_at_any_tp():
     rows = []
     for tokens, ours, nccl in ((4, 6.0, 5.0), (64, 10.0, 12.0), (256, 40.0, 20.0)):
         rows += [("sm120_pcie", tokens, ours, True), ("nccl", tokens, nccl, True)]
-    nvlink = dataclasses.replace(host(nvlink=True), versions=WITH_KERNEL.versions)
+    nvlink = dataclasses.replace(
+        host(nvlink=True), versions=WITH_KERNEL.versions, sm120_kernel_problem=None
+    )
     d = D(8, model_arch=KIMI, tuning=table(rows))
     plan = plan_allreduce(nvlink, d, ARCHS)
     assert plan.fusion_backend == "sm120_pcie" and set(dict(plan.routes).values()) == {SM120_PCIE}

@@ -9,6 +9,7 @@ test/e2e/test_selftest_lifecycle.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -428,3 +429,168 @@ def test_the_report_says_when_validation_mode_and_extra_server_args_were_on(caps
     out = capsys.readouterr().out
     assert out.startswith("VALIDATION MODE ON: validation mode (SGLANG_SM120_ANY_ARCH=1)")
     assert "extra server arguments: --attention-backend triton" in out
+
+
+# ---------------------------------------------------------------- the plan asked for
+
+
+PLAN_FOR = e2e.plan_for  # the real one, for its signature
+
+
+def fp16_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny-fixture-shaped pair whose target is a float16 DeepSeek-V3 (config only)."""
+    from conftest import MODEL_CONFIGS
+    from sglang_sm120 import tiny_models
+
+    target, draft = root / "target", root / "draft"
+    for path in (target, draft):
+        path.mkdir()
+    config = {**MODEL_CONFIGS["DeepseekV3ForCausalLM"], "torch_dtype": "float16"}
+    (target / "config.json").write_text(json.dumps(config))
+    (target / tiny_models.FIXTURE_FILE).write_text("{}")
+    return target, draft
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [
+        ({"torch_dtype": "float16"}, "float16"),
+        ({"dtype": "bfloat16"}, "bfloat16"),
+        ({"text_config": {"torch_dtype": "float16"}, "torch_dtype": "bfloat16"}, "float16"),
+        ({"text_config": {"model_type": "x"}, "torch_dtype": "float16"}, "float16"),
+        ({"torch_dtype": "float32"}, "float16"),  # SGLang's --dtype auto halves float32
+    ],
+)
+def test_the_models_dtype_is_the_one_sglang_serves_it_in(tmp_path, config, dtype) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], **config}))
+    assert e2e.model_dtype(str(tmp_path)) == dtype
+
+
+def test_selftest_asks_doctor_for_the_plan_in_the_models_dtype(monkeypatch, tmp_path) -> None:
+    """doctor assumes bf16 unless told: for an fp16 model it would expect PCIe-IPC where the
+    server rightly runs NCCL, and fail a correct server."""
+    import argparse
+    import inspect
+
+    target, draft = fp16_pair(tmp_path)
+    asked = []
+    monkeypatch.setattr(e2e, "plan_for", lambda *a, **k: asked.append((a, k)) or PLAN_OFF)
+
+    class NoServers:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def get(self, launch):
+            raise e2e.ServerFailed("not started here", tmp_path / "no.log")
+
+    monkeypatch.setattr(e2e, "ServerRuns", NoServers)
+    args = argparse.Namespace(
+        target=str(target),
+        draft=str(draft),
+        backend="auto",
+        min_accept=None,
+        fixture=None,
+        server_arg=None,
+    )
+    selftest.run_selftest(args, TP, tmp_path / "work", tmp_path / "logs")
+    ((call_args, call_kwargs),) = asked
+    bound = inspect.signature(PLAN_FOR).bind(*call_args, **call_kwargs)
+    assert bound.arguments.get("dtype") == "float16"
+
+
+def test_doctor_plans_nccl_for_an_fp16_model_at_tp8_on_pcie(monkeypatch, tmp_path) -> None:
+    """What the selftest then expects of the server: PCIe-IPC serves bf16 only."""
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
+    target, _ = fp16_pair(tmp_path)
+    plan = e2e.plan_for(
+        8,
+        e2e.model_arch(str(target)),
+        "auto",
+        e2e.hidden_size(str(target)),
+        e2e.model_dtype(str(target)),
+    )
+    assert plan["plain_allreduce"] == "nccl"
+    assert any("PCIe-IPC serves bf16 only, model dtype is float16" in r for r in plan["reasons"])
+
+
+# ------------------------------------------------ stats files as graph_stats writes them
+
+
+def write_rank_stats(directory: Path, rank: int, replays: int, peer_error: str | None = None):
+    """One rank's stats file, written by graph_stats' own recorder (and, for a peer timeout,
+    by its ``note_peer_error``, as peer_check calls it), as that TP rank: 3 verify graphs
+    captured, ``replays`` replays."""
+    from sglang.srt.runtime_context import get_parallel
+    from sglang_sm120.patches import graph_stats
+
+    recorder = graph_stats.GraphStats(directory)
+    recorder.path = directory / f"sm120-stats-{1000 + rank}.json"  # one process per rank
+    with get_parallel().override(tp_rank=rank):
+        for _ in range(3):
+            recorder.bump(recorder.captures, e2e.VERIFY_MODE)
+        for _ in range(replays):
+            recorder.bump(recorder.replays, e2e.VERIFY_MODE)
+        recorder.flush()
+        if peer_error is not None:
+            saved, graph_stats._stats = graph_stats._stats, recorder
+            try:
+                graph_stats.note_peer_error(peer_error)
+            finally:
+                graph_stats._stats = saved
+    return recorder.path
+
+
+def run_from_written_stats(monkeypatch, tmp_path, peer_errors: dict[int, str] | None = None):
+    """The passing run of ``runs()``, its stats read back (``e2e.read_stats``) from files the
+    plugin's writer produced under the plan PLAN_OFF."""
+    from sglang_sm120 import runtime
+    from sglang_sm120.policy import AllReducePlan
+
+    plan = AllReducePlan(True, None, PLAN_OFF["plain_allreduce"], ("test plan",))
+    monkeypatch.setattr(runtime, "_last_plan", [plan])
+    before_dir, after_dir = tmp_path / "before", tmp_path / "after"
+    for directory in (before_dir, after_dir):
+        directory.mkdir()
+    for rank in range(TP):
+        write_rank_stats(before_dir, rank, replays=10)
+        write_rank_stats(after_dir, rank, replays=16, peer_error=(peer_errors or {}).get(rank))
+    reference, spec = runs()
+    spec = dataclasses.replace(
+        spec, stats_before=e2e.read_stats(before_dir), stats_after=e2e.read_stats(after_dir)
+    )
+    return reference, spec, after_dir
+
+
+def test_stats_files_as_written_hold_a_null_peer_error(monkeypatch, tmp_path) -> None:
+    _, spec, after_dir = run_from_written_stats(monkeypatch, tmp_path)
+    raw = sorted(after_dir.glob("sm120-stats-*.json"))[0].read_text()
+    assert '"peer_error": null' in raw
+    assert sorted(spec.stats_after) == list(range(TP))
+    assert all(s["peer_error"] is None for s in spec.stats_after.values())
+
+
+def test_a_correct_run_passes_every_check_from_real_stats_files(monkeypatch, tmp_path) -> None:
+    reference, spec, _ = run_from_written_stats(monkeypatch, tmp_path)
+    assert selftest.peer_errors(spec.stats_after) == {}
+    assert selftest._peer_check(spec.stats_after).passed
+    checks = verdict(reference, spec)
+    assert failed(checks) == []
+    assert checks["no peer timeout (sm120_pcie)"].seen == "none"
+
+
+def test_a_peer_timeout_noted_by_the_plugin_fails_only_its_check(monkeypatch, tmp_path) -> None:
+    error = "rank 1/2: timed out after 60000 ms waiting for rank 0"
+    reference, spec, _ = run_from_written_stats(monkeypatch, tmp_path, {1: error})
+    assert selftest.peer_errors(spec.stats_after) == {1: error}
+    checks = verdict(reference, spec)
+    assert failed(checks) == ["no peer timeout (sm120_pcie)"]
+    assert checks["no peer timeout (sm120_pcie)"].seen == f"rank 1: {error}"
+
+
+def test_a_server_that_failed_otherwise_is_not_called_a_peer_timeout(monkeypatch, tmp_path) -> None:
+    """The EAGLE-3 server died for another reason: the files its ranks wrote say no timeout."""
+    reference, _, after_dir = run_from_written_stats(monkeypatch, tmp_path)
+    written = e2e.read_stats(after_dir)
+    checks = verdict(reference, None, failures={"eagle3": "exited"}, stats_at_failure=written)
+    assert checks["no peer timeout (sm120_pcie)"].passed

@@ -4,6 +4,8 @@ P2P refusal message. No GPU and no built library needed."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -206,6 +208,35 @@ def test_library_override_reads_the_old_name_too(monkeypatch, tmp_path):
     monkeypatch.setenv("SGL_KERNEL_SM120_LIBRARY", str(tmp_path / "lib.so"))
     with pytest.warns(env.DeprecatedVariableWarning):
         assert _lib.library_path() == tmp_path / "lib.so"
+
+
+def test_an_editable_install_loads_the_library_built_beside_the_sources(tmp_path):
+    """``pip install -e ./sgl-kernel-sm120`` imports these sources but builds the library into
+    site-packages; the package's ``__path__`` lists both (scikit-build-core's finder). Asked
+    in a child that sees exactly that layout, with this checkout's sources."""
+    checkout = Path(__file__).resolve().parents[2]
+    sources = checkout / "sgl-kernel-sm120" / "python" / "sgl_kernel_sm120"
+    built = tmp_path / "site-packages" / "sgl_kernel_sm120"
+    built.mkdir(parents=True)
+    (built / _lib.LIBRARY_NAME).write_bytes(b"")
+    probe = (
+        "import sys, types\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'ScikitBuild' not in type(f).__name__]\n"
+        "package = types.ModuleType('sgl_kernel_sm120')\n"
+        f"package.__path__ = [{str(built)!r}, {str(sources)!r}]\n"
+        "sys.modules['sgl_kernel_sm120'] = package\n"
+        "from sgl_kernel_sm120 import _lib\n"
+        "print(_lib.__file__)\n"
+        "print(_lib.library_path())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if "KERNEL" not in k and "LIBRARY" not in k}
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    loaded_from, library = proc.stdout.split()
+    assert Path(loaded_from) == sources / "_lib.py"
+    assert Path(library) == built / _lib.LIBRARY_NAME
 
 
 def test_default_block_cap_keeps_all_ranks_resident_on_a_shared_gpu():

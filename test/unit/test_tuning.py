@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from sglang_sm120.facts import load_profile
@@ -72,6 +77,93 @@ def test_corrupt_table_is_reported(cache):
     assert table is None and "unreadable" in note
 
 
+NOBODY = 65534
+
+
+def as_unprivileged(fn):
+    """``fn()`` as a user whom permission bits bind: this process when it is not root, else a
+    forked child that dropped to nobody (uid 65534; a fork, so nothing is imported from
+    directories nobody may read). Returns fn's result, or the exception it raised."""
+    if os.geteuid() != 0:
+        try:
+            return fn()
+        except Exception as exc:
+            return exc
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, never return into pytest
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                answer = fn()
+            except Exception as exc:
+                answer = exc
+            os.write(write, pickle.dumps(answer))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+@pytest.fixture
+def open_dir():
+    """A directory every user may reach (pytest's own tmp_path sits in a 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="sglang-sm120-test-"))
+    path.chmod(0o755)
+    yield path
+    for sub in path.rglob("*"):
+        if sub.is_dir():
+            sub.chmod(0o755)
+    shutil.rmtree(path)
+
+
+def test_cache_dir_the_server_user_cannot_search_is_no_table_naming_it(monkeypatch, open_dir):
+    locked = open_dir / "locked"
+    locked.mkdir(mode=0)  # no one but root may search it
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(locked / "cache"))
+    answer = as_unprivileged(lambda: load_table(PCIE8, 8, 7168, "bfloat16"))
+    assert not isinstance(answer, Exception), repr(answer)
+    table, note = answer
+    assert table is None
+    assert f"{locked / 'cache'}" in note and "Permission denied" in note
+
+
+@pytest.mark.parametrize(
+    ("layout", "error"),
+    [
+        ("a-file", "Not a directory"),  # the variable names a regular file
+        ("a-file/cache", "Not a directory"),  # a directory below a regular file
+        ("x" * 300, "File name too long"),  # a name the file system refuses
+    ],
+)
+def test_a_cache_dir_that_cannot_be_read_is_no_table_naming_it(
+    monkeypatch, tmp_path, layout, error
+):
+    (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path / layout))
+    table, note = load_table(PCIE8, 8, 7168, "bfloat16")
+    assert table is None
+    assert f"SGLANG_SM120_CACHE_DIR={tmp_path / layout}" in note and error in note
+
+
+def test_a_cache_dir_the_user_cannot_write_is_named_where_tune_would_fail(monkeypatch, open_dir):
+    """Reading works, so there is just no table; the note says tune could not write one."""
+    from sglang_sm120.tuning import cache_write_problem
+
+    cache = open_dir / "read-only"
+    cache.mkdir(mode=0o555)
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(cache))
+    table, note = as_unprivileged(lambda: load_table(PCIE8, 8, 7168, "bfloat16"))
+    problem = as_unprivileged(cache_write_problem)
+    assert table is None and "run `sglang-sm120 tune --tp 8`" in note
+    assert f"{cache} is not writable" in note
+    assert f"SGLANG_SM120_CACHE_DIR={cache}" in problem and "not writable" in problem
+
+
 def test_winners_skip_wrong_and_unmeasured():
     ms = (
         Measurement("sm120_pcie", 8, 5.0, False),
@@ -131,3 +223,15 @@ def test_printed_table_keeps_every_backend_in_its_column():
     assert row256[:unfused_end].endswith("24.4")
     assert row4.endswith("sm120_pcie") and row256.endswith("sm120_pcie_unfused")
     assert "20.5!" in row256  # wrong: shown, never chosen
+
+
+def test_tune_names_a_cache_dir_it_cannot_write_before_measuring(monkeypatch, tmp_path, capsys):
+    from sglang_sm120 import cli
+
+    (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path / "a-file"))
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    assert cli.main(["tune", "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert f"SGLANG_SM120_CACHE_DIR={tmp_path / 'a-file'} is not writable" in err[0]

@@ -13,10 +13,12 @@ How: AROUND hooks on upstream's FlashInfer fusion functions. ``ensure_workspace_
     (world size and group key, as upstream checks its own workspace), at the token counts where
     the plan's tuning table has it win; other inputs get upstream's unfused path. A group without
     our workspace (another backend, or none built) is handed to upstream unchanged, except that
-    a ``trtllm`` plan whose tuning table routes a size elsewhere (PCIe-IPC, NCCL) has that
-    fused point declined too. Every decision is a pure function of shapes, the group
-    and the shared plan, so all ranks take the same path. The peer-timeout check is the
-    ``peer_check`` patch.
+    a ``trtllm`` plan whose tuning table routes a size to PCIe-IPC has that fused point
+    declined too. A point routed to PCIe-IPC is handed to it only where PCIe-IPC's workspace,
+    as upstream built it (read by an AFTER hook on ``PcieIpcCommunicator.prepare``), holds
+    it; a larger one would land on NCCL, so it stays on the fusion backend. Every decision is
+    a pure function of shapes, the group and the shared plan, so all ranks take the same
+    path. The peer-timeout check is the ``peer_check`` patch.
 Upstream: none; a new backend of this distribution.
 Removal: when upstream ships a fused all-reduce + RMSNorm staged for PCIe on SM12x.
 """
@@ -24,16 +26,19 @@ Removal: when upstream ships a fused all-reduce + RMSNorm staged for PCIe on SM1
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.contract import Symbol
-from sglang_sm120.policy import AllReducePlan, Capability
+from sglang_sm120.facts import sm120_kernel_problem
+from sglang_sm120.policy import AllReducePlan, Capability, tokens_in
 from sglang_sm120.runtime import log_once, worker_plan
+from sglang_sm120.tuning import SM120_PCIE_ROUTES
 
 FUSION = "sglang.srt.layers.flashinfer_comm_fusion"
+PCIE_IPC = "sglang.srt.distributed.device_communicators.pcie_ipc_ar"
 BACKEND = "sm120_pcie"
 FALLBACK_ROWS = 256  # when the runner's decode width is unknown (no CUDA-graph config)
 # A server rank can trail its peers by a JIT build during warmup, far beyond the kernel
@@ -75,19 +80,14 @@ CONTRACT = (
     ),
     Symbol(f"{FUSION}.flashinfer_allreduce", "function", params=("input_", "use_attn_tp_group")),
     Symbol(f"{FUSION}.resolve_fusion_group", "function", params=("use_attn_tp_group",)),
+    Symbol(f"{PCIE_IPC}._decode_width", "function", params=()),
     Symbol(
-        "sglang.srt.distributed.device_communicators.pcie_ipc_ar._decode_width",
-        "function",
-        params=(),
+        f"{PCIE_IPC}.PcieIpcCommunicator.prepare", "function", params=("self", "hidden", "max_rows")
     ),
-    Symbol(
-        "sglang.srt.distributed.device_communicators.pcie_ipc_ar._FALLBACK_DECODE_WIDTH",
-        "attribute",
-        type_name="int",
-    ),
-    Symbol("sglang.srt.environ.envs.SGLANG_PCIE_IPC_MAX_NUMEL", "attribute"),
 )
 ROLES = ("scheduler",)
+
+Ranges = tuple[tuple[int, int | None], ...]  # token counts, as AllReducePlan.token_ranges
 
 #: sgl_kernel_sm120, imported on first use; CPU rehearsals put a recording stand-in here.
 KERNEL: Any = None
@@ -97,8 +97,8 @@ KERNEL: Any = None
 class GroupWorkspace:
     """Our workspace of one fusion group, or ``ws=None`` when building it failed (every rank
     alike), which sends that group's points to upstream's unfused path. Holds everything the
-    per-call decisions read (the plan included), so a call does no lookups and, under
-    torch.compile, traces plain comparisons only."""
+    per-call decisions read (the plan's routes as token ranges included), so a call does no
+    lookups and, under torch.compile, traces a few plain comparisons only."""
 
     ws: Any
     world_size: int
@@ -107,27 +107,41 @@ class GroupWorkspace:
     rows: int
     hidden: int
     dtype: Any
+    fused_ranges: Ranges = field(init=False)  # where the fused kernel won
+    reduced_ranges: Ranges = field(init=False)  # where our all-reduce serves (fused or not)
+    pcie_ipc_ranges: Ranges = field(init=False)  # where the table routes to PCIe-IPC
+
+    def __post_init__(self) -> None:
+        ours = self.plan.fusion_backend == BACKEND
+        for name, backends in (
+            ("fused_ranges", (BACKEND,)),
+            ("reduced_ranges", SM120_PCIE_ROUTES),
+            ("pcie_ipc_ranges", ("pcie_ipc",)),
+        ):
+            object.__setattr__(self, name, self.plan.token_ranges(backends) if ours else ())
 
     def serves(self, x: Any, residual: Any = None, weight: Any = None) -> bool:
         """Whether our kernel takes this input (fused with residual and weight, else plain): it
         fits the workspace and the plan routes its token count here (a fused point only where
-        the fused kernel won; an all-reduce also where our all-reduce + a separate norm won).
-        While tracing, as upstream does for its own workspace, only the static limits are
-        compared (no call into the workspace object)."""
+        the fused kernel won; an all-reduce also where our all-reduce + a separate norm won;
+        either where the table chose PCIe-IPC but PCIe-IPC's workspace cannot hold it). While
+        tracing, as upstream does for its own workspace, only the static limits are compared
+        (no call into the workspace object), the symbolic token count last."""
         import torch
 
         if self.ws is None:
             return False
-        tokens = x.shape[0]
-        routed = (
-            self.plan.reduces_with_sm120_pcie_at(tokens)
-            if residual is None
-            else self.plan.uses_sm120_pcie_at(tokens)
-        )
-        if not routed:
+        compiling = torch.compiler.is_compiling()
+        if compiling and (x.dtype != self.dtype or x.shape[-1] != self.hidden):
             return False
-        if torch.compiler.is_compiling():
-            return x.dtype == self.dtype and x.shape[-1] == self.hidden and x.shape[0] <= self.rows
+        tokens = x.shape[0]
+        ours = self.reduced_ranges if residual is None else self.fused_ranges
+        if not tokens_in(tokens, ours) and not (
+            tokens_in(tokens, self.pcie_ipc_ranges) and not _fits_pcie_ipc(tokens, x.shape[-1])
+        ):
+            return False
+        if compiling:
+            return tokens <= self.rows
         sk = kernel()
         try:
             if residual is None:
@@ -144,40 +158,39 @@ class GroupWorkspace:
 #: use_attn_tp_group -> the workspace of that fusion group
 _workspaces: dict[bool, GroupWorkspace] = {}
 _UNRESOLVED = object()
-#: the launcher's trtllm plan when its tuning table routes sizes elsewhere, else None
-_trtllm_plan: Any = _UNRESOLVED
-#: what PCIe-IPC's workspace holds, as upstream sizes it: (SGLANG_PCIE_IPC_MAX_NUMEL or 0, rows)
-_pcie_ipc_bound: tuple[int, int] = (0, 0)
+#: token ranges a trtllm plan's tuning table routes to PCIe-IPC (() when none), once resolved
+_trtllm_to_pcie_ipc: Any = _UNRESOLVED
+#: elements PCIe-IPC's workspace holds, as upstream built it (0: not built, off or failed)
+_pcie_ipc_numel = 0
 
 
-def _trtllm_routes() -> AllReducePlan | None:
-    """The trtllm plan whose routes decline some sizes, or None. Resolved once per process, by
-    the workspace setup upstream runs before capture (or the first eager call), so a call
-    traced by torch.compile reads globals and compares integers."""
-    global _trtllm_plan, _pcie_ipc_bound
-    if _trtllm_plan is _UNRESOLVED:
+def _trtllm_pcie_ipc_ranges() -> Ranges:
+    """The token ranges a trtllm plan's table routes to PCIe-IPC, or () (another plan, or no
+    such route). Resolved once per process, by the workspace setup upstream runs before
+    capture (or the first eager call), so a call traced by torch.compile reads a global and
+    compares integers."""
+    global _trtllm_to_pcie_ipc
+    if _trtllm_to_pcie_ipc is _UNRESOLVED:
         plan = worker_plan()
         trtllm = plan is not None and plan.fusion_backend == "trtllm"
-        _trtllm_plan = plan if trtllm and any(b != "trtllm" for _, b in plan.routes) else None
-        if _trtllm_plan is not None:
-            from sglang.srt.distributed.device_communicators.pcie_ipc_ar import (
-                _FALLBACK_DECODE_WIDTH,
-                _decode_width,
-            )
-            from sglang.srt.environ import envs
-
-            rows = _decode_width() or _FALLBACK_DECODE_WIDTH
-            _pcie_ipc_bound = (envs.SGLANG_PCIE_IPC_MAX_NUMEL.get() or 0, rows)
-    return _trtllm_plan
+        _trtllm_to_pcie_ipc = plan.token_ranges(("pcie_ipc",)) if trtllm else ()
+    return _trtllm_to_pcie_ipc
 
 
-def _declined_fits_pcie_ipc(rows: int, hidden: int) -> bool:
-    """Whether a declined point reaches PCIe-IPC (which the plan's route stands for) rather
-    than NCCL: upstream's PCIe-IPC takes inputs its workspace holds, sized from the decode
-    width (max_bs x draft tokens) or SGLANG_PCIE_IPC_MAX_NUMEL. Larger prefill/extend chunks
-    stay on trtllm, whose workspace holds 2048 rows."""
-    max_numel, max_rows = _pcie_ipc_bound
-    return rows * hidden <= max_numel if max_numel else rows <= max_rows
+def note_pcie_ipc_workspace(result, self, *args, **kwargs) -> None:
+    """After upstream's ``PcieIpcCommunicator.prepare`` (the runner's warmup, before capture
+    and compile): what PCIe-IPC's workspace really holds, sized by upstream from the runner's
+    widest decode rows (clamped to the request pool), its fallback width or
+    SGLANG_PCIE_IPC_MAX_NUMEL; 0 when it is off or its build failed."""
+    global _pcie_ipc_numel
+    _pcie_ipc_numel = 0 if self.disabled else int(self.max_numel)
+
+
+def _fits_pcie_ipc(rows: int, hidden: int) -> bool:
+    """Whether a point the table routes to PCIe-IPC reaches it, rather than NCCL: upstream's
+    PCIe-IPC takes inputs of at most the elements its workspace holds. A larger point stays
+    on the fusion backend (trtllm holds 2048 rows; our kernel its decode rows)."""
+    return _pcie_ipc_numel > 0 and rows * hidden <= _pcie_ipc_numel
 
 
 def kernel() -> Any:
@@ -197,9 +210,7 @@ def workspaces() -> list[Any]:
 def not_needed(cap: Capability) -> str | None:
     if not cap.fusion_capable:
         return cap.reasons[0]
-    from importlib.util import find_spec
-
-    return None if find_spec("sgl_kernel_sm120") else "sgl-kernel-sm120 is not installed"
+    return sm120_kernel_problem()  # the policy's fact: the package is there and its library loads
 
 
 def _timeout_ms() -> int:
@@ -269,7 +280,7 @@ def ensure_sm120_pcie_workspace(
     use_attn_tp_group=True,
 ):
     plan = worker_plan()
-    _trtllm_routes()  # resolved before capture and compile
+    _trtllm_pcie_ipc_ranges()  # resolved before capture and compile
     if plan is None or plan.fusion_backend != BACKEND:
         return original(
             max_token_num,
@@ -298,13 +309,9 @@ def fused_by_sm120_pcie(
 ):
     group = _workspaces.get(use_attn_tp_group)
     if group is None:
-        routed = _trtllm_routes()
+        to_pcie_ipc = _trtllm_pcie_ipc_ranges()
         rows, hidden = input_tensor.shape[0], input_tensor.shape[-1]
-        if (
-            routed is not None
-            and not routed.fuses_at(rows)
-            and _declined_fits_pcie_ipc(rows, hidden)
-        ):
+        if to_pcie_ipc and _fits_pcie_ipc(rows, hidden) and tokens_in(rows, to_pcie_ipc):
             return None, None  # the table routes this size to PCIe-IPC (policy._servable)
         return original(
             input_tensor,
@@ -350,6 +357,7 @@ def plain_by_sm120_pcie(original, input_, *, use_attn_tp_group):
 
 
 HOOKS = (
+    (f"{PCIE_IPC}.PcieIpcCommunicator.prepare", note_pcie_ipc_workspace, HookType.AFTER),
     (f"{FUSION}.ensure_workspace_initialized", ensure_sm120_pcie_workspace, HookType.AROUND),
     (f"{FUSION}.flashinfer_allreduce_residual_rmsnorm", fused_by_sm120_pcie, HookType.AROUND),
     (f"{FUSION}.can_use_flashinfer_allreduce", plain_fits_sm120_pcie, HookType.AROUND),

@@ -8,6 +8,7 @@ machines without a GPU or without the built library.
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 from . import env
@@ -89,9 +90,18 @@ _lib: ctypes.CDLL | None = None
 
 
 def library_path() -> Path:
-    """Where the library is loaded from: $SGLANG_SM120_KERNEL_LIBRARY or next to this file."""
+    """Where the library is loaded from: $SGLANG_SM120_KERNEL_LIBRARY, else the first directory
+    of this package that holds it (an editable install builds it into site-packages, apart
+    from these sources, and lists both directories in the package's ``__path__``), else next
+    to this file."""
     override = env.get(ENV_LIBRARY)
-    return Path(override) if override else Path(__file__).with_name(LIBRARY_NAME)
+    if override:
+        return Path(override)
+    for directory in getattr(sys.modules.get(__package__), "__path__", ()):
+        candidate = Path(directory) / LIBRARY_NAME
+        if candidate.is_file():
+            return candidate
+    return Path(__file__).with_name(LIBRARY_NAME)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
