@@ -28,6 +28,7 @@ Rules (the README's table; test/unit/test_policy.py checks each row):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 
 from sglang_sm120.facts import HostFacts, describe_gpus
 from sglang_sm120.tuning import (
+    BACKENDS,
     SM120_PCIE_ROUTES,
     UNFUSED_MIN_GAIN,
     TuningTable,
@@ -50,6 +52,39 @@ PLUGIN_BACKEND_ENV = "SGLANG_SM120_FUSION_BACKEND"
 PLUGIN_BACKEND_CHOICES = ("auto", "off", "trtllm", "sm120_pcie")
 FUSION_AUTO_TP_SIZES = (2,)
 FUSION_BACKENDS_RUNNABLE_ON_SM12X = ("auto", "trtllm")
+PLAN_FUSION_BACKENDS = ("trtllm", "sm120_pcie")  # a plan's fusion_backend, when not None
+PLAN_PLAIN_ALLREDUCES = ("upstream", "none", "nccl", "pcie_ipc", "sm120_pcie")
+
+
+def _json_shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _json_object(data: Any, what: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object, got {_json_shown(data)}")
+    return data
+
+
+def _json_field(data: dict[str, Any], key: str, what: str) -> Any:
+    if key not in data:
+        raise ValueError(f"{what} has no {key!r}")
+    return data[key]
+
+
+def _json_bool(data: dict[str, Any], key: str, what: str) -> bool:
+    value = _json_field(data, key, what)
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}.{key} must be true or false, got {_json_shown(value)}")
+    return value
+
+
+def _json_strings(data: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
+    value = _json_field(data, key, what)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{what}.{key} must be a list of strings, got {_json_shown(value)}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -101,12 +136,14 @@ class Capability:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Capability:
+    def from_json(cls, data: Any) -> Capability:
+        """The inverse of ``to_json``; ValueError naming the field for anything else."""
+        data = _json_object(data, "capability")
         return cls(
-            sm12x=bool(data["sm12x"]),
-            fusion_capable=bool(data["fusion_capable"]),
-            pcie_ipc_capable=bool(data["pcie_ipc_capable"]),
-            reasons=tuple(str(r) for r in data["reasons"]),
+            sm12x=_json_bool(data, "sm12x", "capability"),
+            fusion_capable=_json_bool(data, "fusion_capable", "capability"),
+            pcie_ipc_capable=_json_bool(data, "pcie_ipc_capable", "capability"),
+            reasons=_json_strings(data, "reasons", "capability"),
         )
 
 
@@ -163,13 +200,29 @@ class AllReducePlan:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AllReducePlan:
+    def from_json(cls, data: Any) -> AllReducePlan:
+        """The inverse of ``to_json``; ValueError naming the field for anything else."""
+        data = _json_object(data, "plan")
+        fusion = _json_field(data, "fusion_backend", "plan")
+        if fusion is not None and fusion not in PLAN_FUSION_BACKENDS:
+            raise ValueError(f"plan.fusion_backend {_json_shown(fusion)} is not a plan's backend")
+        plain = _json_field(data, "plain_allreduce", "plan")
+        if plain not in PLAN_PLAIN_ALLREDUCES:
+            raise ValueError(f"plan.plain_allreduce {_json_shown(plain)} is not a plan's choice")
+        routes = _json_field(data, "routes", "plan")
+        if not isinstance(routes, dict):
+            raise ValueError(f"plan.routes must be an object of sizes, got {_json_shown(routes)}")
+        parsed = []
+        for tokens, backend in routes.items():
+            if not (tokens.isdecimal() and int(tokens) >= 1) or backend not in BACKENDS:
+                raise ValueError(f"plan.routes has {_json_shown(tokens)}: {_json_shown(backend)}")
+            parsed.append((int(tokens), backend))
         return cls(
-            managed=bool(data["managed"]),
-            fusion_backend=data["fusion_backend"],
-            plain_allreduce=str(data["plain_allreduce"]),
-            reasons=tuple(str(r) for r in data["reasons"]),
-            routes=tuple(sorted((int(t), str(b)) for t, b in data["routes"].items())),
+            managed=_json_bool(data, "managed", "plan"),
+            fusion_backend=fusion,
+            plain_allreduce=plain,
+            reasons=_json_strings(data, "reasons", "plan"),
+            routes=tuple(sorted(parsed)),
         )
 
     def summary(self) -> str:

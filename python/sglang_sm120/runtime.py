@@ -230,11 +230,16 @@ def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
         return None
     try:
         data = json.loads(raw)
-        tp_size = int(data["tp_size"])
-        capability = Capability.from_json(data["capability"])
-        plan = AllReducePlan.from_json(data["plan"])
-    except (ValueError, KeyError, TypeError) as exc:
-        log_once(logging.WARNING, f"sglang-sm120: {LAUNCH_PLAN_ENV} unreadable ({exc}): ignored")
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object but {type(data).__name__}")
+        tp_size = data.get("tp_size")
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tp_size {tp_size!r} is not a positive integer")
+        capability = Capability.from_json(data.get("capability"))
+        plan = AllReducePlan.from_json(data.get("plan"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log_once(logging.WARNING, f"sglang-sm120: {LAUNCH_PLAN_ENV} unreadable ({reason}): ignored")
         return None
     _last_plan[:] = [plan]
     if plan.managed:

@@ -33,11 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sm120.facts import current_facts
-from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+from sglang_sm120.tuning import (
+    BACKENDS,
+    Measurement,
+    TuningTable,
+    host_fingerprint,
+    save_table,
+)
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 EPS = 1e-6
-BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import Any
 from sglang_sm120.facts import HostFacts
 
 CACHE_ENV = "SGLANG_SM120_CACHE_DIR"
+BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
 TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
 
