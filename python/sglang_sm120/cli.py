@@ -44,7 +44,6 @@ from sglang_sm120.policy import (
     PLUGIN_BACKEND_ENV,
     AllReducePlan,
     Deployment,
-    plan_allreduce,
 )
 from sglang_sm120.topology import TopologyError
 
@@ -169,13 +168,14 @@ def _deployment(args: argparse.Namespace, tp_size: int) -> Deployment:
 def _plan(
     facts: HostFacts, args: argparse.Namespace, tp_size: int, local_tuning: bool = False
 ) -> AllReducePlan:
-    """The plan; ``local_tuning`` adds this host's tuning table (doctor, not planning)."""
-    from sglang_sm120.runtime import fusion_archs, with_tuning
+    """The plan a launcher would publish; ``local_tuning`` adds this host's tuning table
+    (doctor, not planning)."""
+    from sglang_sm120.runtime import plan_to_publish, with_tuning
 
     deployment = _deployment(args, tp_size)
     if local_tuning:
         deployment = with_tuning(deployment, args.hidden, args.dtype)
-    return plan_allreduce(facts, deployment, fusion_archs())
+    return plan_to_publish(facts, deployment)[0]
 
 
 def _facts_lines(facts: HostFacts) -> list[str]:
@@ -207,10 +207,8 @@ def _plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
     ]
     lines += [f"  - {reason}" for reason in plan.reasons]
     if plan.routes:
-        lines.append(
-            "  tuned routes (tokens <= N -> the fastest correct backend this server runs):"
-        )
-        lines += [f"    {tokens:>5} -> {backend}" for tokens, backend in plan.routes]
+        lines.append("  tuned routes (tokens -> the fastest correct backend this server runs):")
+        lines += [f"  {f'{a}-{b}':>9} -> {backend}" for a, b, backend in plan.route_ranges()]
     return lines
 
 

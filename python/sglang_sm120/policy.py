@@ -42,6 +42,7 @@ from sglang_sm120.tuning import (
     TuningTable,
     correct_times,
     excluded,
+    size_ranges,
     winners,
 )
 
@@ -78,6 +79,27 @@ def _json_bool(data: dict[str, Any], key: str, what: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{what}.{key} must be true or false, got {_json_shown(value)}")
     return value
+
+
+def _routes_from_ranges(value: Any) -> tuple[tuple[int, str], ...]:
+    """``route_ranges`` as published: [first, last, backend] rows, the first from 1, each
+    starting right after the one before."""
+    if not isinstance(value, list):
+        raise ValueError(f"plan.routes must be a list of ranges, got {_json_shown(value)}")
+    routes: list[tuple[int, str]] = []
+    for row in value:
+        expected = routes[-1][0] + 1 if routes else 1
+        if not (
+            isinstance(row, list)
+            and len(row) == 3
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in row[:2])
+            and row[0] == expected
+            and row[1] >= row[0]
+            and row[2] in BACKENDS
+        ):
+            raise ValueError(f"plan.routes has {_json_shown(row)}, not [{expected}, last, backend]")
+        routes.append((row[1], row[2]))
+    return tuple(routes)
 
 
 def _json_strings(data: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
@@ -196,7 +218,7 @@ class AllReducePlan:
             "fusion_backend": self.fusion_backend,
             "plain_allreduce": self.plain_allreduce,
             "reasons": list(self.reasons),
-            "routes": {str(tokens): backend for tokens, backend in self.routes},
+            "routes": [list(run) for run in self.route_ranges()],
         }
 
     @classmethod
@@ -209,21 +231,25 @@ class AllReducePlan:
         plain = _json_field(data, "plain_allreduce", "plan")
         if plain not in PLAN_PLAIN_ALLREDUCES:
             raise ValueError(f"plan.plain_allreduce {_json_shown(plain)} is not a plan's choice")
-        routes = _json_field(data, "routes", "plan")
-        if not isinstance(routes, dict):
-            raise ValueError(f"plan.routes must be an object of sizes, got {_json_shown(routes)}")
-        parsed = []
-        for tokens, backend in routes.items():
-            if not (tokens.isdecimal() and int(tokens) >= 1) or backend not in BACKENDS:
-                raise ValueError(f"plan.routes has {_json_shown(tokens)}: {_json_shown(backend)}")
-            parsed.append((int(tokens), backend))
         return cls(
             managed=_json_bool(data, "managed", "plan"),
             fusion_backend=fusion,
             plain_allreduce=plain,
             reasons=_json_strings(data, "reasons", "plan"),
-            routes=tuple(sorted(parsed)),
+            routes=_routes_from_ranges(_json_field(data, "routes", "plan")),
         )
+
+    def route_ranges(self) -> list[tuple[int, int, str]]:
+        """The routes as (first, last, backend) token ranges, one per run of sizes with the
+        same backend: ``route_at`` gives ``backend`` for every count from first to last. A
+        table of 2048 sizes is a few ranges, so the published plan stays small."""
+        ranges: list[tuple[int, int, str]] = []
+        for tokens, backend in self.routes:
+            if ranges and ranges[-1][2] == backend:
+                ranges[-1] = (ranges[-1][0], tokens, backend)
+            else:
+                ranges.append((ranges[-1][1] + 1 if ranges else 1, tokens, backend))
+        return ranges
 
     def summary(self) -> str:
         fusion = self.fusion_backend or "off"
@@ -436,7 +462,7 @@ def plan_allreduce(
     if deployment.nnodes == 1 and len(facts.gpus_at(gpu_ids)) < len(gpu_ids):
         tp = deployment.tp_size
         reason = (
-            f"tp={tp} needs GPUs {list(gpu_ids)}, {len(facts.gpus)} visible: NCCL"
+            f"tp={tp} needs GPUs [{size_ranges(gpu_ids)}], {len(facts.gpus)} visible: NCCL"
             if deployment.gpu_ids is not None
             else f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
         )
@@ -492,7 +518,7 @@ def _sizes_by_backend(routes: dict[int, str]) -> str:
     by_backend: dict[str, list[int]] = {}
     for tokens, backend in routes.items():
         by_backend.setdefault(backend, []).append(tokens)
-    return ", ".join(f"{b} at {sizes}" for b, sizes in by_backend.items())
+    return ", ".join(f"{b} at [{size_ranges(sizes)}]" for b, sizes in by_backend.items())
 
 
 def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllReducePlan | None:
@@ -588,7 +614,7 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             )
         else:
             why = "not a backend this version runs"
-        reasons.append(f"{backend} fastest at {sizes} tokens ({why}): {route} there")
+        reasons.append(f"{backend} fastest at [{size_ranges(sizes)}] tokens ({why}): {route} there")
     if custom_ar_first:
         reasons.append(
             "no size declined off the fusion backend: "
@@ -600,8 +626,13 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     pcie = [t for t, b in routes.items() if b == "pcie_ipc"]
     if pcie and plain == "sm120_pcie":
         reasons.append(
-            f"PCIe-IPC on behind sgl-kernel-sm120: the points at {pcie} tokens are declined and "
+            f"PCIe-IPC on behind sgl-kernel-sm120: the points at [{size_ranges(pcie)}] tokens "
+            "are declined and "
             "all-reduced by PCIe-IPC, as is any all-reduce that our kernel declines and that fits "
             "PCIe-IPC's workspace"
         )
-    return AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))
+    plan = AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))
+    # One route per run of sizes with the same backend (its largest size): route_at answers
+    # the same, and launcher and workers hold the same plan, whose JSON stays small.
+    runs = tuple((last, backend) for _, last, backend in plan.route_ranges())
+    return dataclasses.replace(plan, routes=runs)
