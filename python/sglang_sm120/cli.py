@@ -51,7 +51,6 @@ from sglang_sm120.policy import (
     VALIDATION_NOTE,
     AllReducePlan,
     Deployment,
-    plan_allreduce,
 )
 from sglang_sm120.topology import TopologyError
 
@@ -204,14 +203,14 @@ def _plan(
     local_tuning: bool = False,
     host: HostFindings | None = None,
 ) -> AllReducePlan:
-    """The plan; ``local_tuning`` adds this host's tuning table and ``host`` its findings
-    (doctor, not planning)."""
-    from sglang_sm120.runtime import fusion_archs, with_tuning
+    """The plan a launcher would publish; ``local_tuning`` adds this host's tuning table and
+    ``host`` its findings (doctor, not planning)."""
+    from sglang_sm120.runtime import plan_to_publish, with_tuning
 
     deployment = dataclasses.replace(_deployment(args, tp_size), host=host)
     if local_tuning:
         deployment = with_tuning(deployment, args.hidden, args.dtype)
-    return plan_allreduce(facts, deployment, fusion_archs())
+    return plan_to_publish(facts, deployment)[0]
 
 
 def _facts_lines(facts: HostFacts) -> list[str]:
@@ -243,10 +242,8 @@ def _plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
     ]
     lines += [f"  - {reason}" for reason in plan.reasons]
     if plan.routes:
-        lines.append(
-            "  tuned routes (tokens <= N -> the fastest correct backend this server runs):"
-        )
-        lines += [f"    {tokens:>5} -> {backend}" for tokens, backend in plan.routes]
+        lines.append("  tuned routes (tokens -> the fastest correct backend this server runs):")
+        lines += [f"  {f'{a}-{b}':>9} -> {backend}" for a, b, backend in plan.route_ranges()]
     return lines
 
 

@@ -37,6 +37,7 @@ Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -45,11 +46,13 @@ from typing import Any
 from sglang_sm120.facts import GpuInfo, HostFacts, describe_gpus
 from sglang_sm120.host import FAIL, WARN, HostCheck, HostFindings
 from sglang_sm120.tuning import (
+    BACKENDS,
     SM120_PCIE_ROUTES,
     UNFUSED_MIN_GAIN,
     TuningTable,
     correct_times,
     excluded,
+    size_ranges,
     winners,
 )
 
@@ -70,6 +73,62 @@ VALIDATION_NOTE = (
 def in_scope(gpu: GpuInfo, any_arch: bool = False) -> bool:
     """Whether the plugin manages this GPU: SM12x, or in validation mode any SM90+ GPU."""
     return gpu.capability[0] == 12 or (any_arch and gpu.capability >= VALIDATION_MIN_CAPABILITY)
+
+
+PLAN_FUSION_BACKENDS = ("trtllm", "sm120_pcie")  # a plan's fusion_backend, when not None
+PLAN_PLAIN_ALLREDUCES = ("upstream", "none", "nccl", "pcie_ipc", "sm120_pcie")
+
+
+def _json_shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _json_object(data: Any, what: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object, got {_json_shown(data)}")
+    return data
+
+
+def _json_field(data: dict[str, Any], key: str, what: str) -> Any:
+    if key not in data:
+        raise ValueError(f"{what} has no {key!r}")
+    return data[key]
+
+
+def _json_bool(data: dict[str, Any], key: str, what: str) -> bool:
+    value = _json_field(data, key, what)
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}.{key} must be true or false, got {_json_shown(value)}")
+    return value
+
+
+def _routes_from_ranges(value: Any) -> tuple[tuple[int, str], ...]:
+    """``route_ranges`` as published: [first, last, backend] rows, the first from 1, each
+    starting right after the one before."""
+    if not isinstance(value, list):
+        raise ValueError(f"plan.routes must be a list of ranges, got {_json_shown(value)}")
+    routes: list[tuple[int, str]] = []
+    for row in value:
+        expected = routes[-1][0] + 1 if routes else 1
+        if not (
+            isinstance(row, list)
+            and len(row) == 3
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in row[:2])
+            and row[0] == expected
+            and row[1] >= row[0]
+            and row[2] in BACKENDS
+        ):
+            raise ValueError(f"plan.routes has {_json_shown(row)}, not [{expected}, last, backend]")
+        routes.append((row[1], row[2]))
+    return tuple(routes)
+
+
+def _json_strings(data: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
+    value = _json_field(data, key, what)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{what}.{key} must be a list of strings, got {_json_shown(value)}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -125,13 +184,17 @@ class Capability:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Capability:
+    def from_json(cls, data: Any) -> Capability:
+        """The inverse of ``to_json``; ValueError naming the field for anything else."""
+        data = _json_object(data, "capability")
         return cls(
-            sm12x=bool(data["sm12x"]),
-            fusion_capable=bool(data["fusion_capable"]),
-            pcie_ipc_capable=bool(data["pcie_ipc_capable"]),
-            reasons=tuple(str(r) for r in data["reasons"]),
-            validation=bool(data.get("validation", False)),
+            sm12x=_json_bool(data, "sm12x", "capability"),
+            fusion_capable=_json_bool(data, "fusion_capable", "capability"),
+            pcie_ipc_capable=_json_bool(data, "pcie_ipc_capable", "capability"),
+            reasons=_json_strings(data, "reasons", "capability"),
+            validation=_json_bool(data, "validation", "capability")
+            if "validation" in data
+            else False,
         )
 
 
@@ -204,18 +267,38 @@ class AllReducePlan:
             "fusion_backend": self.fusion_backend,
             "plain_allreduce": self.plain_allreduce,
             "reasons": list(self.reasons),
-            "routes": {str(tokens): backend for tokens, backend in self.routes},
+            "routes": [list(run) for run in self.route_ranges()],
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AllReducePlan:
+    def from_json(cls, data: Any) -> AllReducePlan:
+        """The inverse of ``to_json``; ValueError naming the field for anything else."""
+        data = _json_object(data, "plan")
+        fusion = _json_field(data, "fusion_backend", "plan")
+        if fusion is not None and fusion not in PLAN_FUSION_BACKENDS:
+            raise ValueError(f"plan.fusion_backend {_json_shown(fusion)} is not a plan's backend")
+        plain = _json_field(data, "plain_allreduce", "plan")
+        if plain not in PLAN_PLAIN_ALLREDUCES:
+            raise ValueError(f"plan.plain_allreduce {_json_shown(plain)} is not a plan's choice")
         return cls(
-            managed=bool(data["managed"]),
-            fusion_backend=data["fusion_backend"],
-            plain_allreduce=str(data["plain_allreduce"]),
-            reasons=tuple(str(r) for r in data["reasons"]),
-            routes=tuple(sorted((int(t), str(b)) for t, b in data["routes"].items())),
+            managed=_json_bool(data, "managed", "plan"),
+            fusion_backend=fusion,
+            plain_allreduce=plain,
+            reasons=_json_strings(data, "reasons", "plan"),
+            routes=_routes_from_ranges(_json_field(data, "routes", "plan")),
         )
+
+    def route_ranges(self) -> list[tuple[int, int, str]]:
+        """The routes as (first, last, backend) token ranges, one per run of sizes with the
+        same backend: ``route_at`` gives ``backend`` for every count from first to last. A
+        table of 2048 sizes is a few ranges, so the published plan stays small."""
+        ranges: list[tuple[int, int, str]] = []
+        for tokens, backend in self.routes:
+            if ranges and ranges[-1][2] == backend:
+                ranges[-1] = (ranges[-1][0], tokens, backend)
+            else:
+                ranges.append((ranges[-1][1] + 1 if ranges else 1, tokens, backend))
+        return ranges
 
     def summary(self) -> str:
         fusion = self.fusion_backend or "off"
@@ -521,7 +604,7 @@ def plan_allreduce(
     if deployment.nnodes == 1 and len(facts.gpus_at(gpu_ids)) < len(gpu_ids):
         tp = deployment.tp_size
         reason = (
-            f"tp={tp} needs GPUs {list(gpu_ids)}, {len(facts.gpus)} visible: NCCL"
+            f"tp={tp} needs GPUs [{size_ranges(gpu_ids)}], {len(facts.gpus)} visible: NCCL"
             if deployment.gpu_ids is not None
             else f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
         )
@@ -582,7 +665,7 @@ def _sizes_by_backend(routes: dict[int, str]) -> str:
     by_backend: dict[str, list[int]] = {}
     for tokens, backend in routes.items():
         by_backend.setdefault(backend, []).append(tokens)
-    return ", ".join(f"{b} at {sizes}" for b, sizes in by_backend.items())
+    return ", ".join(f"{b} at [{size_ranges(sizes)}]" for b, sizes in by_backend.items())
 
 
 def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllReducePlan | None:
@@ -678,7 +761,7 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             )
         else:
             why = "not a backend this version runs"
-        reasons.append(f"{backend} fastest at {sizes} tokens ({why}): {route} there")
+        reasons.append(f"{backend} fastest at [{size_ranges(sizes)}] tokens ({why}): {route} there")
     if custom_ar_first:
         reasons.append(
             "no size declined off the fusion backend: "
@@ -696,9 +779,13 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
         )
     if pcie and plain == "sm120_pcie":
         reasons.append(
-            f"PCIe-IPC on behind sgl-kernel-sm120: the points at {pcie} tokens are declined and "
-            "all-reduced by PCIe-IPC where its workspace holds them (larger ones stay on our "
-            "kernel), as is any all-reduce that our kernel declines and that fits PCIe-IPC's "
-            "workspace"
+            f"PCIe-IPC on behind sgl-kernel-sm120: the points at [{size_ranges(pcie)}] tokens "
+            "are declined and all-reduced by PCIe-IPC where its workspace holds them (larger "
+            "ones stay on our kernel), as is any all-reduce that our kernel declines and that "
+            "fits PCIe-IPC's workspace"
         )
-    return AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))
+    plan = AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))
+    # One route per run of sizes with the same backend (its largest size): route_at answers
+    # the same, and launcher and workers hold the same plan, whose JSON stays small.
+    runs = tuple((last, backend) for _, last, backend in plan.route_ranges())
+    return dataclasses.replace(plan, routes=runs)

@@ -46,6 +46,10 @@ logger = logging.getLogger("sglang_sm120")
 
 PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
 LAUNCH_PLAN_ENV = "SGLANG_SM120_LAUNCH_PLAN"
+# SGLang starts every scheduler with this environment, and Linux refuses to start a program
+# whose environment holds a string over MAX_ARG_STRLEN (128 KiB: "Argument list too long").
+# Half of that leaves room for the rest of the environment, which shares ARG_MAX with it.
+LAUNCH_PLAN_MAX_BYTES = 64 * 1024
 
 #: patch name -> "applied" | "registered" | "not needed (...)" | "refused (...)" | ...
 PATCH_STATUS: dict[str, str] = {}
@@ -252,25 +256,62 @@ def last_plan() -> AllReducePlan | None:
     return _last_plan[0] if _last_plan else None
 
 
+def launch_plan_json(facts: HostFacts, deployment: Deployment, plan: AllReducePlan) -> str:
+    """What a launcher publishes in SGLANG_SM120_LAUNCH_PLAN for ``plan``."""
+    capability = hardware_capability(facts, deployment.used_gpu_ids(), any_arch=deployment.any_arch)
+    document = {
+        "tp_size": deployment.tp_size,
+        "gpu_ids": list(deployment.used_gpu_ids()),
+        "capability": capability.to_json(),
+        "plan": plan.to_json(),
+    }
+    return json.dumps(document, separators=(",", ":"))
+
+
+def plan_to_publish(facts: HostFacts, deployment: Deployment) -> tuple[AllReducePlan, str | None]:
+    """The plan for a launch and the launch plan its processes get (None: publish nothing).
+
+    The launch plan must fit the environment (LAUNCH_PLAN_MAX_BYTES). A tuning table whose plan
+    would not fit is not used: the plan without it, which says why, is published instead; a plan
+    that still would not fit is not published, and upstream decides (said as an ERROR)."""
+    plan = plan_allreduce(facts, deployment, fusion_archs())
+    published = launch_plan_json(facts, deployment, plan)
+    size = len(published.encode())
+    if size > LAUNCH_PLAN_MAX_BYTES and deployment.tuning is not None:
+        note = (
+            f"tuning table not used: the plan it gives takes {size // 1024} KiB, over the "
+            f"{LAUNCH_PLAN_MAX_BYTES // 1024} KiB a launch plan may take in the environment "
+            f"(its routes change backend {len(plan.routes) - 1} times across the sizes; "
+            "re-run `sglang-sm120 tune` with fewer --tokens)"
+        )
+        log_once(logging.WARNING, f"sglang-sm120: {note}")
+        deployment = dataclasses.replace(deployment, tuning=None, tuning_note=note)
+        plan = plan_allreduce(facts, deployment, fusion_archs())
+        published = launch_plan_json(facts, deployment, plan)
+        size = len(published.encode())
+    if size > LAUNCH_PLAN_MAX_BYTES:
+        reason = (
+            f"plan not published: it takes {size // 1024} KiB, over the "
+            f"{LAUNCH_PLAN_MAX_BYTES // 1024} KiB a launch plan may take in the environment; "
+            "upstream behaviour, untouched"
+        )
+        log_once(logging.ERROR, f"sglang-sm120: {reason}")
+        return AllReducePlan(False, None, "upstream", (reason,)), None
+    return plan, published
+
+
 def plan_for_view(view: Any) -> AllReducePlan:
-    """The launcher's plan, logged once and published to the workers it spawns."""
+    """The launcher's plan, logged once and published to the processes it spawns."""
     deployment = deployment_from_view(view)
-    plan = plan_allreduce(current_facts(), deployment, fusion_archs())
+    plan, published = plan_to_publish(current_facts(), deployment)
     _last_plan[:] = [plan]
     if plan.managed:
         tp = deployment.tp_size
         log_once(logging.INFO, f"sglang-sm120 plan (server args, tp={tp}): {plan.summary()}")
-    capability = hardware_capability(
-        current_facts(), deployment.used_gpu_ids(), any_arch=deployment.any_arch
-    )
-    os.environ[LAUNCH_PLAN_ENV] = json.dumps(
-        {
-            "tp_size": deployment.tp_size,
-            "gpu_ids": list(deployment.used_gpu_ids()),
-            "capability": capability.to_json(),
-            "plan": plan.to_json(),
-        }
-    )
+    if published is None:
+        os.environ.pop(LAUNCH_PLAN_ENV, None)
+    else:
+        os.environ[LAUNCH_PLAN_ENV] = published
     _launch_plan.cache_clear()
     return plan
 
@@ -282,11 +323,16 @@ def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
         return None
     try:
         data = json.loads(raw)
-        tp_size = int(data["tp_size"])
-        capability = Capability.from_json(data["capability"])
-        plan = AllReducePlan.from_json(data["plan"])
-    except (ValueError, KeyError, TypeError) as exc:
-        log_once(logging.WARNING, f"sglang-sm120: {LAUNCH_PLAN_ENV} unreadable ({exc}): ignored")
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object but {type(data).__name__}")
+        tp_size = data.get("tp_size")
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tp_size {tp_size!r} is not a positive integer")
+        capability = Capability.from_json(data.get("capability"))
+        plan = AllReducePlan.from_json(data.get("plan"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log_once(logging.WARNING, f"sglang-sm120: {LAUNCH_PLAN_ENV} unreadable ({reason}): ignored")
         return None
     _last_plan[:] = [plan]
     if plan.managed:

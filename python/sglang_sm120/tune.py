@@ -34,6 +34,7 @@ from typing import Any
 
 from sglang_sm120.facts import current_facts
 from sglang_sm120.tuning import (
+    BACKENDS,
     Measurement,
     TuningTable,
     cache_write_problem,
@@ -43,7 +44,6 @@ from sglang_sm120.tuning import (
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 EPS = 1e-6
-BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")
 
 
 @dataclass(frozen=True)

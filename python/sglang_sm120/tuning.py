@@ -28,7 +28,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from typing import Any
 from sglang_sm120.facts import HostFacts
 
 CACHE_ENV = "SGLANG_SM120_CACHE_DIR"
+BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
 TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
 
@@ -241,13 +242,26 @@ def winners(
     return routes
 
 
+def size_ranges(sizes: Iterable[int]) -> str:
+    """'1-64, 128, 256-300': token counts, consecutive ones as a range, so that a table of
+    every size from 1 to 2048 is named in a few characters, not 2048 numbers."""
+    runs: list[list[int]] = []
+    for size in sorted(set(sizes)):
+        if runs and size == runs[-1][1] + 1:
+            runs[-1][1] = size
+        else:
+            runs.append([size, size])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def excluded(table: TuningTable) -> list[str]:
     """Backends measured wrong on this host, with where: they are never chosen, at any size
     (``wrong_backends``)."""
-    return sorted(
-        {
-            f"{m.backend} (wrong at {m.tokens} tokens)"
-            for m in table.measurements
-            if m.us is not None and not m.correct
-        }
-    )
+    wrong_at: dict[str, list[int]] = {}
+    for m in table.measurements:
+        if m.us is not None and not m.correct:
+            wrong_at.setdefault(m.backend, []).append(m.tokens)
+    return [
+        f"{backend} (wrong at {size_ranges(sizes)} tokens)"
+        for backend, sizes in sorted(wrong_at.items())
+    ]

@@ -209,7 +209,7 @@ def fused_where_the_table_routed_off_trtllm(norm) -> dict:
 
     published = os.environ[runtime.LAUNCH_PLAN_ENV]
     launched = json.loads(published)
-    launched["plan"]["routes"] = {"2": "trtllm", "64": "pcie_ipc", "2048": "trtllm"}
+    launched["plan"]["routes"] = [[1, 2, "trtllm"], [3, 64, "pcie_ipc"], [65, 2048, "trtllm"]]
     republish(json.dumps(launched))
     try:
         return {

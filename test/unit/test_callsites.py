@@ -73,7 +73,7 @@ def rehearsal(model_dirs, tmp_path_factory) -> dict:
     # The sm120_pcie launch again, with a tuning table that sent 1-2 rows to PCIe-IPC.
     plans = {variant: launched[variant]["launch_plan"] for variant in worlds}
     behind = json.loads(plans["sm120_pcie"])
-    behind["plan"]["routes"] = {"2": "pcie_ipc", "64": "sm120_pcie"}
+    behind["plan"]["routes"] = [[1, 2, "pcie_ipc"], [3, 64, "sm120_pcie"]]
     plans["sm120_pcie_behind"] = json.dumps(behind)
     worlds["sm120_pcie_behind"] = worlds["sm120_pcie"]
     procs = {}

@@ -196,12 +196,10 @@ def test_doctor_shows_the_tuning_table_in_use_and_its_routes(tmp_path, monkeypat
     proc = run_cli("doctor", "--json", "--tp", "8", "--model-arch", KIMI, env=env)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)["plan"]
-    assert plan["fusion_backend"] == "sm120_pcie" and plan["routes"] == {
-        "16": "sm120_pcie",
-        "2048": "nccl",
-    }
+    assert plan["fusion_backend"] == "sm120_pcie"
+    assert plan["routes"] == [[1, 16, "sm120_pcie"], [17, 2048, "nccl"]]
     text = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env).stdout
-    assert "16 -> sm120_pcie" in text and "2048 -> nccl" in text
+    assert " 1-16 -> sm120_pcie" in text and " 17-2048 -> nccl" in text
 
 
 def test_doctor_says_when_there_is_no_tuning_table(tmp_path):

@@ -162,3 +162,23 @@ def test_launcher_plans_with_the_host_findings_and_workers_follow(deepseek):
     assert "host acs: ACS redirect on PCIe switch ports" in plan
     assert "one-shot push all-reduce disfavoured; PCIe-IPC (staged)" in plan
     assert "(fix: disable ACS in the BIOS" in plan
+
+
+def test_a_table_of_every_size_reaches_the_workers(deepseek, tmp_path):
+    """``tune --tokens $(seq 1 2048)``: the launch plan once outgrew the environment, and
+    starting the TP workers failed with "Argument list too long"."""
+    require_kernel_package()
+    from test_launch_plan import every_size_table
+
+    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
+    try:
+        save_table(every_size_table(load_profile(PROFILE), 2))
+    finally:
+        del os.environ["SGLANG_SM120_CACHE_DIR"]
+    env = {"SGLANG_SM120_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "sglang.launch_server"]
+    plan = check_same_plan_everywhere(
+        launch(command, deepseek, env, extra=("--disable-custom-all-reduce",))
+    )
+    assert plan.startswith("fusion=sm120_pcie, plain all-reduce=sm120_pcie; "), plan
+    assert "from the tuning table: sm120_pcie at [1-" in plan and "-2048] tokens" in plan

@@ -224,7 +224,7 @@ def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
     )
     launched = json.loads(result["launch_plan"]["8"])["plan"]
     assert launched["fusion_backend"] == "sm120_pcie"
-    assert launched["routes"] == {"4": "sm120_pcie", "64": "nccl", "256": "nccl"}
+    assert launched["routes"] == [[1, 4, "sm120_pcie"], [5, 256, "nccl"]]
     assert result["worker_plan"]["8"]["routes"] == launched["routes"]
     assert plan_line(result["worker_log"]["8"], "from launcher", 8) == plan_line(
         result["launcher_log"], "server args", 8

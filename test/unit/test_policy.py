@@ -428,7 +428,8 @@ def test_table_routes_sm120_pcie_only_where_it_won():
         False,
         False,
     ]
-    assert plan.to_json()["routes"] == {"4": "sm120_pcie", "64": "sm120_pcie", "2048": "nccl"}
+    # Published as ranges, one per run of sizes with the same backend.
+    assert plan.to_json()["routes"] == [[1, 64, "sm120_pcie"], [65, 2048, "nccl"]]
 
 
 SM120_FUSES_SMALL_REDUCES_LARGE = table(
@@ -541,7 +542,7 @@ def test_sizes_where_pcie_ipc_won_run_pcie_ipc_behind_our_kernel():
     (without it they would fall to NCCL, 12x slower there)."""
     plan = plan_allreduce(WITH_KERNEL, D(8, model_arch=KIMI, tuning=PCIE_IPC_SMALLEST), ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == ("sm120_pcie", "sm120_pcie")
-    assert dict(plan.routes) == {1: "pcie_ipc", 16: "sm120_pcie", 64: "sm120_pcie"}
+    assert plan.route_ranges() == [(1, 1, "pcie_ipc"), (2, 64, "sm120_pcie")]
     assert plan.pcie_ipc_on
     assert [plan.reduces_with_sm120_pcie_at(n) for n in (1, 2, 64, 65)] == [
         False,
@@ -558,7 +559,7 @@ def test_sizes_where_pcie_ipc_won_run_pcie_ipc_behind_our_kernel():
 def test_pcie_ipc_sizes_go_to_the_next_best_where_pcie_ipc_cannot_be_on(pcie_ipc_env, dtype):
     d = D(8, model_arch=KIMI, tuning=PCIE_IPC_SMALLEST, pcie_ipc_env=pcie_ipc_env, dtype=dtype)
     plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
-    assert dict(plan.routes)[1] == "sm120_pcie"  # 6 us: the best this server can run there
+    assert plan.route_at(1) == "sm120_pcie"  # 6 us: the best this server can run there
     assert not plan.pcie_ipc_on
     assert any(
         r.startswith("pcie_ipc fastest at [1] tokens (a server has one path for declined points")
@@ -574,7 +575,7 @@ def test_a_table_split_between_trtllm_and_sm120_pcie_routes_every_size_to_what_t
     assert served_by_the_server(plan), plan.routes
     # 1.05x of the per-size best with PCIe-IPC behind it; trtllm 1.19x.
     assert plan.fusion_backend == "sm120_pcie"
-    assert dict(plan.routes) == {1: "pcie_ipc", 4: "pcie_ipc", 64: "sm120_pcie", 256: "sm120_pcie"}
+    assert plan.route_ranges() == [(1, 4, "pcie_ipc"), (5, 256, "sm120_pcie")]
     assert any(
         "1.05x the per-size best (geometric mean; off 1.94x; trtllm 1.19x; sm120_pcie 1.09x)" in r
         for r in plan.reasons
@@ -606,7 +607,7 @@ def test_trtllm_plan_declines_the_sizes_its_table_routes_to_pcie_ipc():
     d = D(2, model_arch=KIMI, tuning=TRTLLM_THEN_PCIE_IPC, custom_all_reduce=False)
     plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == ("trtllm", "pcie_ipc")
-    assert dict(plan.routes) == {4: "trtllm", 64: "trtllm", 256: "pcie_ipc"}
+    assert plan.route_ranges() == [(1, 64, "trtllm"), (65, 256, "pcie_ipc")]
     # Above the largest measured size trtllm keeps fusing (upstream's own 2048-row limit).
     assert [plan.fuses_at(n) for n in (1, 64, 65, 256, 257, 2048)] == [
         True,
@@ -740,10 +741,10 @@ def test_measured_2xh200_run_without_trtllm_splits_sizes_between_pcie_ipc_and_ou
     d = D(2, model_arch=KIMI, tuning=tuning, custom_all_reduce=False)
     plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
     assert (plan.fusion_backend, plan.plain_allreduce) == ("sm120_pcie", "sm120_pcie")
-    routes = dict(plan.routes)
-    assert routes[1] == routes[4] == "pcie_ipc" and plan.pcie_ipc_on
-    assert routes[64] == "sm120_pcie_unfused"
-    assert routes[16] == routes[256] == routes[2048] == "sm120_pcie"
+    route = plan.route_at
+    assert route(1) == route(4) == "pcie_ipc" and plan.pcie_ipc_on
+    assert route(64) == "sm120_pcie_unfused"
+    assert route(16) == route(256) == route(2048) == "sm120_pcie"
 
 
 # trtllm fastest everywhere but wrong at 64 tokens (review r4, finding 1).
