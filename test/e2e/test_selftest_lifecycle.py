@@ -31,9 +31,14 @@ from sglang_sm120.facts import GpuInfo, HostFacts
 
 gpus = tuple(GpuInfo(i, "NVIDIA RTX PRO 6000 Blackwell", (12, 0)) for i in range({tp}))
 selftest.visible_gpus = lambda: HostFacts("test", gpus=gpus)
-e2e._PLANS[({tp}, "LlamaForCausalLM", "auto", {hidden})] = {{
-    "fusion_backend": None, "plain_allreduce": "nccl", "reasons": ["fake plan"]
-}}
+FAKE_PLAN = {{"fusion_backend": None, "plain_allreduce": "nccl", "reasons": ["fake plan"]}}
+
+def plan_for(tp, arch, backend, hidden=None, dtype=None):
+    assert (tp, arch, backend, hidden) == ({tp}, "LlamaForCausalLM", "auto", {hidden})
+    assert dtype == e2e.model_dtype(sys.argv[sys.argv.index("--target") + 1]), dtype
+    return FAKE_PLAN
+
+e2e.plan_for = plan_for
 
 def server_args(launch, port):
     cmd = [sys.executable, {fake!r}, "--port", str(port), "--tp", str(launch.tp)]
