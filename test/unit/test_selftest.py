@@ -439,7 +439,7 @@ PLAN_FOR = e2e.plan_for  # the real one, for its signature
 
 def fp16_pair(root: Path) -> tuple[Path, Path]:
     """A tiny-fixture-shaped pair whose target is a float16 DeepSeek-V3 (config only)."""
-    from conftest import MODEL_CONFIGS
+    from model_configs import MODEL_CONFIGS
     from sglang_sm120 import tiny_models
 
     target, draft = root / "target", root / "draft"
