@@ -105,7 +105,10 @@ def test_the_readme_keeps_the_two_commands():
         "pip install ./sgl-kernel-sm120 . && sglang-sm120 plan --profile rtx-pro-6000-x8-pcie "
         "--tp 8 --model-arch KimiK25ForConditionalGeneration"
     ) in readme
-    assert 'pip install ./sgl-kernel-sm120 ".[test]" && python -m pytest test' in readme
+    test_command = (
+        'pip install ./sgl-kernel-sm120 ".[test]" && python -m pytest -n 2 --dist loadgroup test'
+    )
+    assert test_command in readme
 
 
 def helps(parser: argparse.ArgumentParser, command: str) -> Iterator[tuple[str, str | None]]:
