@@ -27,6 +27,7 @@ import os
 import sys
 from typing import Any
 
+from sglang_sm120 import strict_json
 from sglang_sm120.facts import HostFacts, current_facts
 from sglang_sm120.host import SYSFS_ROOT_ENV, HostFindings, run_host_checks
 from sglang_sm120.policy import (
@@ -322,7 +323,7 @@ def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
     if not raw:
         return None
     try:
-        data = json.loads(raw)
+        data = strict_json.loads(raw)
         if not isinstance(data, dict):
             raise ValueError(f"not a JSON object but {type(data).__name__}")
         tp_size = data.get("tp_size")

@@ -34,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sm120.facts import HostFacts
+from sglang_sm120.strict_json import read_json_file
 
 CACHE_ENV = "SGLANG_SM120_CACHE_DIR"
 BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
 TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
+# A table of every size 1..2048 for the five backends takes ~1.2 MiB as `tune` writes it.
+TABLE_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def load_table(
         where = f" ({_cache_name(directory)} is not writable)" if unwritable else ""
         return None, f"no tuning table ({path.name}); run `sglang-sm120 tune --tp {tp}`{where}"
     try:
-        table = TuningTable.from_json(json.loads(path.read_text()))
+        table = TuningTable.from_json(read_json_file(path, TABLE_MAX_BYTES))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         return None, f"tuning table {path} unreadable: {exc}"
     if table.version != TABLE_VERSION or table.fingerprint != fingerprint:

@@ -14,14 +14,23 @@ from kernel_library import expected_sm120_pcie_status, require_kernel_package
 KIMI = "KimiK25ForConditionalGeneration"
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 300, preexec_fn=None
+) -> subprocess.CompletedProcess:
     exe = shutil.which("sglang-sm120", path=os.path.dirname(sys.executable)) or shutil.which(
         "sglang-sm120"
     )
     assert exe, "the sglang-sm120 console script is not installed"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
     full_env.update(env or {})
-    return subprocess.run([exe, *args], capture_output=True, text=True, env=full_env, timeout=300)
+    return subprocess.run(
+        [exe, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
 
 
 def plan_json(*args: str) -> dict:

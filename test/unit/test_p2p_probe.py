@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,14 @@ def test_an_unreadable_cache_directory_is_no_probe_not_an_error(monkeypatch):
     monkeypatch.setattr(Path, "is_file", refuse)
     summary, note = load_probe(PCIE8, (0, 1))
     assert summary is None and "unreadable: Permission denied" in note
+
+
+def test_a_fifo_in_place_of_the_probe_is_unreadable_not_a_hang(cache):
+    path = save_probe(document())
+    path.unlink()
+    os.mkfifo(path)
+    summary, note = load_probe(PCIE8, (0, 1, 2, 3))
+    assert summary is None and "no p2p probe for GPUs 0,1,2,3" in note
 
 
 def test_fewer_than_two_gpus_have_no_probe():
