@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -451,7 +450,12 @@ def _probe_lines(findings: HostFindings, gpus: int) -> list[str]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from sglang_sm120.runtime import findings_describe, host_findings, validation_mode
+    from sglang_sm120.runtime import (
+        findings_describe,
+        host_findings,
+        plugin_disabled,
+        validation_mode,
+    )
 
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
@@ -475,7 +479,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "gpu_present": bool(facts.gpus),
         "plan": {**plan.to_json(), "tp": tp_size},
         **state,
-        "kill_switch": os.environ.get("SGLANG_SM120_DISABLE", ""),
+        "kill_switch": plugin_disabled(),
         "validation_mode": validation_mode(),
         "kernel_images": coverage,
         "host_checks": [check.to_json() for check in findings.checks],
@@ -505,7 +509,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     problems = state["contract_problems"]
     lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
     lines += [f"  - {p}" for p in problems]
-    if report["kill_switch"] not in ("", "0"):
+    if report["kill_switch"]:
         lines.append("kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied")
     if report["validation_mode"]:
         lines.append(f"VALIDATION MODE ON: {VALIDATION_NOTE}")
