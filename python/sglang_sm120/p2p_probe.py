@@ -41,7 +41,7 @@ from typing import Any
 from sglang_sm120.facts import HostFacts
 from sglang_sm120.host import P2PSummary
 from sglang_sm120.strict_json import read_json_file
-from sglang_sm120.tuning import cache_dir, fingerprint_id, host_fingerprint
+from sglang_sm120.tuning import cache_dir, cache_read_problem, fingerprint_id, host_fingerprint
 
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 PROBE_VERSION = 1
@@ -169,7 +169,9 @@ def _read_probe(facts: HostFacts, gpus: Sequence[int]) -> tuple[P2PSummary | Non
     try:
         path = probe_path(fingerprint, gpus)  # cache_dir() needs a home directory by default
         if not path.is_file():
-            return None, f"no p2p probe for GPUs {','.join(map(str, gpus))}"
+            unreadable = cache_read_problem()
+            where = f" ({unreadable})" if unreadable else ""
+            return None, f"no p2p probe for GPUs {','.join(map(str, gpus))}{where}"
         document = read_json_file(path, PROBE_MAX_BYTES)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc

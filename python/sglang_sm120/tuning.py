@@ -125,6 +125,27 @@ def table_path(fingerprint: dict[str, Any], tp: int, hidden: int, dtype: str) ->
     return cache_dir() / name
 
 
+def _why(exc: OSError, directory: Path) -> str:
+    """An OSError about the cache directory in a user's words: a path naming a regular file
+    says so (mkdir calls that "File exists", listdir "Not a directory")."""
+    if isinstance(exc, (FileExistsError, NotADirectoryError)) and directory.is_file():
+        return "a file, not a directory"
+    return exc.strerror or str(exc)
+
+
+def cache_read_problem() -> str | None:
+    """Why the cache directory cannot be listed (a file, below a file, no permission, a name
+    the file system refuses), or None: it lists, or does not exist yet (tune creates it)."""
+    directory = cache_dir()
+    try:
+        os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{_cache_name(directory)} unreadable ({_why(exc, directory)})"
+    return None
+
+
 def cache_write_problem() -> str | None:
     """Why ``save_table`` could not write into the cache directory (not a directory, no
     permission), or None: asked before ``tune`` measures, not after."""
@@ -134,8 +155,10 @@ def cache_write_problem() -> str | None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
             pass
     except OSError as exc:
-        why = exc.strerror or exc
-        return f"{_cache_name(directory)} is not writable ({why}); set {CACHE_ENV} to a directory"
+        return (
+            f"{_cache_name(directory)} is not writable ({_why(exc, directory)}); "
+            f"set {CACHE_ENV} to a directory"
+        )
     return None
 
 
@@ -162,7 +185,8 @@ def load_table(
     except FileNotFoundError:
         names = None  # not created yet: tune creates it
     except OSError as exc:
-        return None, f"no tuning table: {_cache_name(directory)} unreadable ({exc.strerror or exc})"
+        why = _why(exc, directory)
+        return None, f"no tuning table: {_cache_name(directory)} unreadable ({why})"
     if names is None or path.name not in names:
         others = fnmatch.filter(names or [], f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json")
         if others:

@@ -314,6 +314,13 @@ ROWS = [
     ("unknown top-level flag", ["--bogus"], None, {}, "unrecognized arguments: --bogus"),
     ("unknown flag before a command", ["--bogus", "profiles"], None, {}, "arguments: --bogus"),
     ("no command", [], None, {}, "a command is required (doctor, plan,"),
+    (
+        "tune cache dir a file",
+        ["tune", "--tp", "2"],
+        {},
+        {"SGLANG_SM120_CACHE_DIR": "{file}"},
+        "tune: SGLANG_SM120_CACHE_DIR={file} is not writable (a file, not a directory)",
+    ),
     ("tune tp zero", ["tune", "--tp", "0"], None, {}, "--tp: 0 is not a positive integer"),
     ("tune tokens zero", ["tune", "--tp", "2", "--tokens", "0"], None, {}, "--tokens: 0 is"),
     ("warmup vocab zero", ["warmup", "--vocab-size", "0"], None, {}, "--vocab-size: 0 is"),

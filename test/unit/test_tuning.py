@@ -154,7 +154,7 @@ def test_cache_dir_the_server_user_cannot_search_is_no_table_naming_it(monkeypat
 @pytest.mark.parametrize(
     ("layout", "error"),
     [
-        ("a-file", "Not a directory"),  # the variable names a regular file
+        ("a-file", "unreadable (a file, not a directory)"),  # the variable names a regular file
         ("a-file/cache", "Not a directory"),  # a directory below a regular file
         ("x" * 300, "File name too long"),  # a name the file system refuses
     ],
