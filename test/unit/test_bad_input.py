@@ -315,6 +315,34 @@ ROWS = [
     ("unknown flag before a command", ["--bogus", "profiles"], None, {}, "arguments: --bogus"),
     ("no command", [], None, {}, "a command is required (doctor, plan,"),
     (
+        "selftest target that does not exist",
+        ["selftest", "--target", "/nonexistent", "--draft", "/nonexistent-draft"],
+        None,
+        {},
+        "--target /nonexistent: no such directory",
+    ),
+    (
+        "selftest draft that does not exist",
+        ["selftest", "--target", "{dir}", "--draft", "./no-such-draft"],
+        None,
+        {},
+        "--draft ./no-such-draft: no such directory",
+    ),
+    (
+        "selftest repo id not in the HF cache",  # org/name is still a repo id, as before
+        ["selftest", "--target", "org/name", "--draft", "org/draft"],
+        None,
+        {"HF_HUB_OFFLINE": "1"},
+        "cannot read the config of --target org/name: ",
+    ),
+    (
+        "selftest target a file",
+        ["selftest", "--target", "{file}", "--draft", "{file}"],
+        {},
+        {},
+        "is a file, not a model directory",
+    ),
+    (
         "tune cache dir a file",
         ["tune", "--tp", "2"],
         {},
