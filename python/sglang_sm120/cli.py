@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from sglang_sm120.policy import (
     AllReducePlan,
     Deployment,
 )
-from sglang_sm120.topology import TopologyError
+from sglang_sm120.topology import MAX_NODES, TopologyError
 
 KERNEL_DISTRIBUTION = "sgl-kernel-sm120"
 
@@ -61,21 +60,104 @@ class UsageError(ValueError):
     """Input the command cannot use; main() prints it as one line and exits 2."""
 
 
+def one_line(text: str) -> str:
+    """``text`` as one printable line: a newline or other control character a user typed (in a
+    path, a flag value) is shown escaped, as repr() shows it, instead of breaking the line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (no usage block), still exit status 2."""
 
+    commands: tuple[str, ...] = ()  # the subcommands, for "a command is required"
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    except ValueError:  # also past Python's 4300 digits
+        shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+        raise argparse.ArgumentTypeError(f"{shown} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
     return value
+
+
+def _node_count(text: str) -> int:
+    """--nnodes: 1..MAX_NODES, the topology schema's own bound."""
+    value = _positive_int(text)
+    if value > MAX_NODES:
+        raise argparse.ArgumentTypeError(
+            f"{value} is above {MAX_NODES}, the most nodes a deployment may have here"
+        )
+    return value
+
+
+#: --dtype: the dtype the model runs in, as the plan compares it; SGLang's aliases map to it.
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "float32": "float32",
+    "half": "float16",
+    "float": "float32",
+}
+
+
+def _dtype(text: str) -> str:
+    if text == "auto":
+        raise argparse.ArgumentTypeError(
+            "'auto' is SGLang's choice from the model's config, which doctor and plan do not "
+            "read; give the dtype it resolves to (bfloat16, float16 or float32)"
+        )
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r} is not a model dtype ({', '.join(DTYPES)})"
+        )
+    return DTYPES[text]
+
+
+def _model_arch(text: str) -> str:
+    """A config.json architecture: a Python class name, e.g. DeepseekV3ForCausalLM."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text[:60]!r} is not an architecture class name such as "
+            "KimiK25ForConditionalGeneration (config.json's architectures[0])"
+        )
+    return text
+
+
+#: flags doctor and plan take as SGLang's, checked against SGLang's own parser: ours -> theirs
+UPSTREAM_FLAGS = {
+    "fusion_backend": "--flashinfer-allreduce-fusion-backend",
+    "moe_a2a_backend": "--moe-a2a-backend",
+}
+
+
+def upstream_choices() -> dict[str, list[str]]:
+    """The choices SGLang's own parser gives the UPSTREAM_FLAGS (built from ServerArgs; ~0.1 s
+    once planning has imported sglang's argument modules)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    actions = parser._option_string_actions  # argparse keeps no public map of its options
+    return {ours: list(actions[theirs].choices) for ours, theirs in UPSTREAM_FLAGS.items()}
+
+
+def _check_upstream_flags(args: argparse.Namespace) -> None:
+    """A value SGLang would refuse is not planned as if it meant something."""
+    for name, choices in upstream_choices().items():
+        value = getattr(args, name)
+        if value is not None and value not in choices:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(
+                f"{flag} {value[:40]!r} is not one of SGLang's choices ({', '.join(choices)})"
+            )
 
 
 def _capability(text: str) -> tuple[int, int]:
@@ -133,10 +215,14 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
     )
     parser.add_argument(
         "--model-arch",
+        type=_model_arch,
         help="the model's architecture (config.json), e.g. KimiK25ForConditionalGeneration",
     )
     parser.add_argument(
-        "--nnodes", type=_positive_int, default=1, help="as SGLang's --nnodes (default 1)"
+        "--nnodes",
+        type=_node_count,
+        default=1,
+        help=f"as SGLang's --nnodes (default 1, at most {MAX_NODES})",
     )
     parser.add_argument(
         "--attention-dp", action="store_true", help="as SGLang's --enable-dp-attention"
@@ -146,8 +232,9 @@ def _add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> 
     )
     parser.add_argument(
         "--dtype",
+        type=_dtype,
         default="bfloat16",
-        help="the model's dtype, as SGLang's --dtype (default bfloat16)",
+        help="the dtype the model runs in: bfloat16 (default), float16 (half) or float32 (float)",
     )
     parser.add_argument(
         "--fusion-backend", help="as --flashinfer-allreduce-fusion-backend (auto, trtllm, ...)"
@@ -251,6 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     facts = load_profile(args.profile) if args.profile else load_topology(args.topology)
     _check_tp(facts, args.tp, args.nnodes)
     _require_sglang()
+    _check_upstream_flags(args)
     plan = _plan(facts, args, args.tp)
     if args.json:
         print(json.dumps({**plan.to_json(), "tp": args.tp, "facts_source": facts.source}, indent=1))
@@ -362,13 +450,19 @@ def _probe_lines(findings: HostFindings, gpus: int) -> list[str]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from sglang_sm120.runtime import findings_describe, host_findings, validation_mode
+    from sglang_sm120.runtime import (
+        findings_describe,
+        host_findings,
+        plugin_disabled,
+        validation_mode,
+    )
 
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
     if facts.gpus:
         _check_tp(facts, tp_size, args.nnodes)
     _require_sglang()
+    _check_upstream_flags(args)
     findings = host_findings(
         facts, tp_size, args.hidden, tuple(range(min(tp_size, len(facts.gpus)))) or None
     )
@@ -385,7 +479,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "gpu_present": bool(facts.gpus),
         "plan": {**plan.to_json(), "tp": tp_size},
         **state,
-        "kill_switch": os.environ.get("SGLANG_SM120_DISABLE", ""),
+        "kill_switch": plugin_disabled(),
         "validation_mode": validation_mode(),
         "kernel_images": coverage,
         "host_checks": [check.to_json() for check in findings.checks],
@@ -415,7 +509,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     problems = state["contract_problems"]
     lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
     lines += [f"  - {p}" for p in problems]
-    if report["kill_switch"] not in ("", "0"):
+    if report["kill_switch"]:
         lines.append("kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied")
     if report["validation_mode"]:
         lines.append(f"VALIDATION MODE ON: {VALIDATION_NOTE}")
@@ -528,7 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=version_text())
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Not required=True: argparse would then answer "arguments are required: command" to an
+    # unknown flag (``sglang-sm120 --bogus``) instead of naming it; main() asks for a command.
+    sub = parser.add_subparsers(dest="command", metavar="command")
     doctor = sub.add_parser("doctor", help="this machine: facts, patch statuses, plan")
     _add_deployment_args(doctor, tp_required=False)
     doctor.add_argument(
@@ -587,16 +683,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(selftest)
     selftest.set_defaults(func=cmd_selftest)
+    parser.commands = tuple(sub.choices)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(f"a command is required ({', '.join(parser.commands)})")
     try:
         return args.func(args)
     except (UsageError, TopologyError) as exc:
-        print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: {one_line(str(exc))}", file=sys.stderr)
         return 2
 
 

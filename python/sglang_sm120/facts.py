@@ -26,9 +26,12 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from sglang_sm120.strict_json import read_json_file
 from sglang_sm120.topology import TopologyError, check_topology
 
 TOPOLOGY_ENV = "SGLANG_SM120_TOPOLOGY"
+# A topology of 64 GPUs with a full P2P matrix takes ~25 KiB; anything near this is not one.
+TOPOLOGY_MAX_BYTES = 1 << 20
 _PROFILE_PACKAGE = "sglang_sm120.profiles"
 _VERSIONED_PACKAGES = (
     "sglang",
@@ -190,12 +193,13 @@ def load_profile(name: str) -> HostFacts:
 
 
 def load_topology(path: str | os.PathLike[str]) -> HostFacts:
-    """A topology JSON file describing another machine."""
+    """A topology JSON file describing another machine (a regular file of at most
+    TOPOLOGY_MAX_BYTES, strict JSON: ``strict_json``)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise TopologyError(f"cannot read topology file {path}: {reason}") from exc
+        data = read_json_file(path, TOPOLOGY_MAX_BYTES)
+    except (ValueError, RecursionError) as exc:
+        reason = exc if str(exc) else type(exc).__name__
+        raise TopologyError(f"cannot read topology file {path}: {reason}") from None
     return facts_from_json(data, source=f"file:{path}")
 
 

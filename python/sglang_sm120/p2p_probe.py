@@ -40,10 +40,12 @@ from typing import Any
 
 from sglang_sm120.facts import HostFacts
 from sglang_sm120.host import P2PSummary
-from sglang_sm120.tuning import cache_dir, fingerprint_id, host_fingerprint
+from sglang_sm120.strict_json import read_json_file
+from sglang_sm120.tuning import cache_dir, cache_read_problem, fingerprint_id, host_fingerprint
 
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 PROBE_VERSION = 1
+PROBE_MAX_BYTES = 4 << 20  # a probe of 8 GPUs takes ~100 KiB
 # Writes collapse below half the links' worth, when reads or the staged order do 1.5x better.
 COLLAPSE_BELOW = 0.5
 WRITES_BEHIND = 1 / 1.5
@@ -167,8 +169,10 @@ def _read_probe(facts: HostFacts, gpus: Sequence[int]) -> tuple[P2PSummary | Non
     try:
         path = probe_path(fingerprint, gpus)  # cache_dir() needs a home directory by default
         if not path.is_file():
-            return None, f"no p2p probe for GPUs {','.join(map(str, gpus))}"
-        document = json.loads(path.read_text())
+            unreadable = cache_read_problem()
+            where = f" ({unreadable})" if unreadable else ""
+            return None, f"no p2p probe for GPUs {','.join(map(str, gpus))}{where}"
+        document = read_json_file(path, PROBE_MAX_BYTES)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         return None, f"no p2p probe ({path} unreadable: {reason})"

@@ -27,17 +27,18 @@ from typing import Any
 from sglang_sm120 import SGLANG_PIN, __version__
 from sglang_sm120.contract import Symbol, check, resolve
 from sglang_sm120.runtime import (
+    DISABLE_ENV,
     LAUNCH_PLAN_ENV,
     PATCH_STATUS,
     log_once,
     logger,
+    plugin_disabled,
     process_role,
     sm12x_capability,
     worker_capability,
 )
 from sglang_sm120.topology import TopologyError
 
-DISABLE_ENV = "SGLANG_SM120_DISABLE"
 _WRAPPER_HOOK_NAME = "hook"  # the closure variable of the registry's wrappers holding the hook
 _REGISTRY_CONTRACT = (
     Symbol(
@@ -80,7 +81,7 @@ def register_patches(role: str) -> dict[str, str]:
 
     if role == "launcher":  # it publishes its own plan; one inherited from elsewhere is stale
         os.environ.pop(LAUNCH_PLAN_ENV, None)
-    if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
+    if plugin_disabled():
         _record(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)
     cap = _capability_for(role)

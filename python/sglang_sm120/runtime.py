@@ -27,6 +27,7 @@ import os
 import sys
 from typing import Any
 
+from sglang_sm120 import strict_json
 from sglang_sm120.facts import HostFacts, current_facts
 from sglang_sm120.host import SYSFS_ROOT_ENV, HostFindings, run_host_checks
 from sglang_sm120.policy import (
@@ -45,6 +46,9 @@ from sglang_sm120.tuning import load_table
 logger = logging.getLogger("sglang_sm120")
 
 PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
+DISABLE_ENV = "SGLANG_SM120_DISABLE"
+SWITCH_ON = ("1", "true", "yes", "on")
+SWITCH_OFF = ("0", "false", "no", "off")
 LAUNCH_PLAN_ENV = "SGLANG_SM120_LAUNCH_PLAN"
 # SGLang starts every scheduler with this environment, and Linux refuses to start a program
 # whose environment holds a string over MAX_ARG_STRLEN (128 KiB: "Argument list too long").
@@ -103,10 +107,43 @@ def logging_configured(first: str) -> None:
         logger.log(level, message)
 
 
+def env_switch(name: str) -> bool | None:
+    """The boolean switch ``name``, read one way for every switch the package reads: 1, true,
+    yes, on -> True; 0, false, no, off -> False (any case, surrounding spaces ignored); unset
+    or empty -> None. Anything else is None too (the caller's default), with one warning
+    naming the variable and the value."""
+    raw = os.environ.get(name)
+    value = (raw or "").strip().lower()
+    if value in SWITCH_ON:
+        return True
+    if value in SWITCH_OFF:
+        return False
+    if value:
+        log_once(
+            logging.WARNING,
+            f"sglang-sm120: {name}={raw!r} is not a switch value "
+            f"({'/'.join(SWITCH_ON)} or {'/'.join(SWITCH_OFF)}): ignored, default kept",
+        )
+    return None
+
+
+def plugin_disabled() -> bool:
+    """The kill switch SGLANG_SM120_DISABLE (``env_switch``; default off): the plugin loads
+    but registers nothing. The plugin and doctor both ask here."""
+    return env_switch(DISABLE_ENV) is True
+
+
 def validation_mode() -> bool:
     """SGLANG_SM120_ANY_ARCH=1: manage SM90+ GPUs as if SM12x, to validate the managed path on
-    H100/H200 machines. Only "1" turns it on: a test switch is never on by accident."""
-    return os.environ.get(VALIDATION_ENV, "").strip() == "1"
+    H100/H200 machines. Only "1" turns it on: a test switch is never on by accident; any other
+    value but 0 is refused with one warning."""
+    value = os.environ.get(VALIDATION_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        log_once(
+            logging.WARNING,
+            f"sglang-sm120: {VALIDATION_ENV}={value!r} ignored: only 1 turns validation mode on",
+        )
+    return value == "1"
 
 
 @functools.cache
@@ -128,11 +165,10 @@ def fusion_archs() -> frozenset[str]:
 
 
 def pcie_ipc_env() -> bool | None:
-    """The user's explicit SGLANG_ENABLE_PCIE_IPC_ALLREDUCE, or None when unset."""
-    raw = os.environ.get(PCIE_IPC_ENV)
-    if raw is None:
-        return None
-    return raw.strip().lower() in ("1", "true", "yes", "on")
+    """The user's explicit SGLANG_ENABLE_PCIE_IPC_ALLREDUCE (``env_switch``), or None when
+    unset or unreadable; the pcie_ipc_enable patch hands upstream this value, so upstream's
+    own spelling rules cannot disagree with the plan."""
+    return env_switch(PCIE_IPC_ENV)
 
 
 def plugin_backend() -> str | None:
@@ -322,7 +358,7 @@ def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
     if not raw:
         return None
     try:
-        data = json.loads(raw)
+        data = strict_json.loads(raw)
         if not isinstance(data, dict):
             raise ValueError(f"not a JSON object but {type(data).__name__}")
         tp_size = data.get("tp_size")

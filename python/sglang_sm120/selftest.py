@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -484,6 +485,20 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
     }
 
 
+def local_model_problem(model: str) -> str | None:
+    """What is wrong with a --target/--draft that names a local path (it starts with /, . or ~,
+    or exists), or None: such a path must be a model directory, while anything else
+    (``org/name``) is a Hugging Face repo id, read from the HF cache as before."""
+    path = Path(model).expanduser()
+    if not (model.startswith(("/", ".", "~")) or path.exists()):
+        return None
+    if not path.exists():
+        return "no such directory"
+    if not path.is_dir():
+        return "is a file, not a model directory (give the folder with config.json)"
+    return None
+
+
 def _usage_error(args: argparse.Namespace) -> str | None:
     try:
         e2e.split_server_args(args.server_arg)
@@ -495,7 +510,12 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return f"--tp must be at least 1, not {args.tp}"
     if not args.target and args.tp is not None and args.tp not in e2e.TP_SIZES:
         return f"the tiny models shard to tp {', '.join(map(str, e2e.TP_SIZES))}, not {args.tp}"
-    for flag, model in (("--target", args.target), ("--draft", args.draft)):
+    models = (("--target", args.target), ("--draft", args.draft))
+    for flag, model in models:
+        local = local_model_problem(model) if model else None
+        if local:
+            return f"{flag} {model}: {local}"
+    for flag, model in models:
         if model:
             try:
                 e2e.model_config(model)
@@ -527,6 +547,9 @@ def run(args: argparse.Namespace) -> int:
     """The ``selftest`` subcommand; returns the exit status."""
     from sglang_sm120.runtime import plugin_backend
 
+    for name in ("target", "draft"):  # "--target=~/m" reaches us unexpanded
+        if getattr(args, name):
+            setattr(args, name, os.path.expanduser(getattr(args, name)))
     problem = _usage_error(args)
     gpus = visible_gpus()
     problem = problem or cannot_run(gpus, args.tp)

@@ -24,6 +24,8 @@ from typing import Any
 
 MAX_GPUS = 64
 MAX_NODES = 1024
+MAX_NAME_CHARS = 96  # NVML's own bound on a device name (NVML_DEVICE_NAME_V2_BUFFER_SIZE)
+MAX_TEXT_CHARS = 200
 CAPABILITY_MAJORS = range(1, 21)
 CAPABILITY_MINORS = range(10)
 
@@ -33,12 +35,16 @@ TOPOLOGY_KEYS: dict[str, tuple[bool, str]] = {
     "p2p": (True, '"all", "none", or an N x N matrix of true/false (row a, column b: a -> b)'),
     "nvlink": (False, "true if any GPU has an active NVLink (default false)"),
     "nnodes": (False, f"nodes of this kind in the deployment, 1..{MAX_NODES} (default 1)"),
-    "description": (False, "one line, shown by `sglang-sm120 profiles`"),
+    "description": (False, f"one line of at most {MAX_TEXT_CHARS} characters, shown by `profiles`"),
     "driver_version": (False, 'NVIDIA driver version string, e.g. "580.95.05"'),
     "cuda_driver_version": (False, 'CUDA driver API version string, e.g. "13.0"'),
 }
 GPU_KEYS: dict[str, tuple[bool, str]] = {
-    "name": (True, 'non-empty string, e.g. "NVIDIA RTX PRO 6000 Blackwell Server Edition"'),
+    "name": (
+        True,
+        f"one printable line of at most {MAX_NAME_CHARS} characters, "
+        'e.g. "NVIDIA RTX PRO 6000 Blackwell Server Edition"',
+    ),
     "capability": (True, "[major, minor] integers, e.g. [12, 0] for SM120"),
     "numa_node": (False, "integer >= 0, or null when unknown"),
     "memory_gib": (False, "number > 0, or null when unknown"),
@@ -58,6 +64,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_line(value: Any, limit: int) -> bool:
+    """A non-empty string that prints as one line (no newline, tab, escape or other control
+    character) of at most ``limit`` characters: what the plan and doctor print stays intact."""
+    if not isinstance(value, str):
+        return False
+    return bool(value.strip()) and value.isprintable() and len(value) <= limit
+
+
 def _unknown_keys(data: dict[str, Any], known: dict[str, tuple[bool, str]], where: str) -> str:
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -75,8 +89,11 @@ def _gpu_problem(gpu: Any, where: str) -> str:
     if problem:
         return problem
     name, capability = gpu["name"], gpu["capability"]
-    if not isinstance(name, str) or not name.strip():
-        return f"{where}.name must be a non-empty string, got {_shown(name)}"
+    if not _is_line(name, MAX_NAME_CHARS):
+        return (
+            f"{where}.name must be one printable line of at most {MAX_NAME_CHARS} characters, "
+            f"got {_shown(name)}"
+        )
     if not (
         isinstance(capability, list) and len(capability) == 2 and all(map(_is_int, capability))
     ):
@@ -138,8 +155,11 @@ def topology_problem(data: Any) -> str:
     if not (_is_int(nnodes) and 1 <= nnodes <= MAX_NODES):
         return f"'nnodes' must be an integer 1..{MAX_NODES}, got {_shown(nnodes)}"
     for key in ("description", "driver_version", "cuda_driver_version"):
-        if key in data and not isinstance(data[key], str):
-            return f"'{key}' must be a string, got {_shown(data[key])}"
+        if key in data and not _is_line(data[key], MAX_TEXT_CHARS):
+            return (
+                f"'{key}' must be one printable line of at most {MAX_TEXT_CHARS} characters, "
+                f"got {_shown(data[key])}"
+            )
     return ""
 
 

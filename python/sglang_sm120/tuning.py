@@ -34,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sm120.facts import HostFacts
+from sglang_sm120.strict_json import read_json_file
 
 CACHE_ENV = "SGLANG_SM120_CACHE_DIR"
 BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
 TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
+# A table of every size 1..2048 for the five backends takes ~1.2 MiB as `tune` writes it.
+TABLE_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,27 @@ def table_path(fingerprint: dict[str, Any], tp: int, hidden: int, dtype: str) ->
     return cache_dir() / name
 
 
+def _why(exc: OSError, directory: Path) -> str:
+    """An OSError about the cache directory in a user's words: a path naming a regular file
+    says so (mkdir calls that "File exists", listdir "Not a directory")."""
+    if isinstance(exc, (FileExistsError, NotADirectoryError)) and directory.is_file():
+        return "a file, not a directory"
+    return exc.strerror or str(exc)
+
+
+def cache_read_problem() -> str | None:
+    """Why the cache directory cannot be listed (a file, below a file, no permission, a name
+    the file system refuses), or None: it lists, or does not exist yet (tune creates it)."""
+    directory = cache_dir()
+    try:
+        os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{_cache_name(directory)} unreadable ({_why(exc, directory)})"
+    return None
+
+
 def cache_write_problem() -> str | None:
     """Why ``save_table`` could not write into the cache directory (not a directory, no
     permission), or None: asked before ``tune`` measures, not after."""
@@ -131,8 +155,10 @@ def cache_write_problem() -> str | None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
             pass
     except OSError as exc:
-        why = exc.strerror or exc
-        return f"{_cache_name(directory)} is not writable ({why}); set {CACHE_ENV} to a directory"
+        return (
+            f"{_cache_name(directory)} is not writable ({_why(exc, directory)}); "
+            f"set {CACHE_ENV} to a directory"
+        )
     return None
 
 
@@ -159,7 +185,8 @@ def load_table(
     except FileNotFoundError:
         names = None  # not created yet: tune creates it
     except OSError as exc:
-        return None, f"no tuning table: {_cache_name(directory)} unreadable ({exc.strerror or exc})"
+        why = _why(exc, directory)
+        return None, f"no tuning table: {_cache_name(directory)} unreadable ({why})"
     if names is None or path.name not in names:
         others = fnmatch.filter(names or [], f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json")
         if others:
@@ -168,7 +195,7 @@ def load_table(
         where = f" ({_cache_name(directory)} is not writable)" if unwritable else ""
         return None, f"no tuning table ({path.name}); run `sglang-sm120 tune --tp {tp}`{where}"
     try:
-        table = TuningTable.from_json(json.loads(path.read_text()))
+        table = TuningTable.from_json(read_json_file(path, TABLE_MAX_BYTES))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         return None, f"tuning table {path} unreadable: {exc}"
     if table.version != TABLE_VERSION or table.fingerprint != fingerprint:

@@ -1,11 +1,13 @@
 """Every bad input to ``sglang-sm120`` is one line on stderr and exit status 2: no traceback, and
-nothing on stdout (no plan). Each row runs the installed console script in a subprocess, as a
-user would; the topology rows write the file the row describes."""
+nothing on stdout (no plan), within seconds and bounded memory. Each row runs the installed
+console script in a subprocess, as a user would, under a time and an address-space limit; the
+topology rows write the file the row describes (FIFO: a named pipe nobody writes)."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,11 @@ from test_cli import run_cli
 
 PCIE8 = ("--profile", "rtx-pro-6000-x8-pcie")
 GPU = {"name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "capability": [12, 0]}
+FIFO = "<a named pipe that no one writes>"  # the row's topology file is made a FIFO
+HUGE_INT = '{"gpus": [], "p2p": "none", "nnodes": 1' + "0" * 5000 + "}"
+OVER_1_MIB = '{"gpus": [], "p2p": "none", "description": "' + "x" * (1 << 20) + '"}'
+DUPLICATE_KEY = '{"gpus": [], "p2p": "none", "gpus": [{"name": "X", "capability": [12, 0]}]}'
+TOPOLOGY_ENV = "SGLANG_SM120_TOPOLOGY"
 
 
 def topology(**changes) -> dict:
@@ -37,6 +44,7 @@ ROWS = [
     ("tp zero", ["plan", *PCIE8, "--tp", "0"], None, {}, "--tp: 0 is not a positive integer"),
     ("tp negative", ["plan", *PCIE8, "--tp", "-2"], None, {}, "-2 is not a positive integer"),
     ("tp not a number", ["plan", *PCIE8, "--tp", "eight"], None, {}, "'eight' is not an integer"),
+    ("tp of 5000 digits", ["plan", *PCIE8, "--tp", "9" * 5000], None, {}, "'99999999999"),
     ("tp above the GPUs", ["plan", *PCIE8, "--tp", "16"], None, {}, "--tp 16 needs 16 GPUs"),
     (
         "tp above a 2-GPU profile",
@@ -53,7 +61,19 @@ ROWS = [
     ("p2p GPUs not numbers", ["p2p", "--gpus", "0,x"], None, {}, "'0,x' is not a comma list"),
     ("p2p GPU named twice", ["p2p", "--gpus", "0,0"], None, {}, "must be distinct and >= 0"),
     ("missing file", ["plan", "--topology", "/nonexistent.json", "--tp", "2"], None, {}, "No such"),
-    ("directory", ["plan", "--topology", "/", "--tp", "2"], None, {}, "Is a directory"),
+    ("directory", ["plan", "--topology", "/", "--tp", "2"], None, {}, "a directory, not a"),
+    ("device", ["plan", "--topology", "/dev/zero", "--tp", "2"], None, {}, "character device"),
+    ("fifo", ["plan", "--topology", "{file}", "--tp", "2"], FIFO, {}, "a FIFO, not a regular"),
+    ("over 1 MiB", ["plan", "--topology", "{file}", "--tp", "2"], OVER_1_MIB, {}, "over 1 MiB"),
+    ("huge int", ["plan", "--topology", "{file}", "--tp", "1"], HUGE_INT, {}, "5001 digits"),
+    ("duplicate key", ["plan", "--topology", "{file}", "--tp", "1"], DUPLICATE_KEY, {}, "'gpus'"),
+    (
+        "NaN",
+        ["plan", "--topology", "{file}", "--tp", "2"],
+        json.dumps(with_gpu(memory_gib=float("nan"))),
+        {},
+        "NaN is not JSON",
+    ),
     ("invalid JSON", ["plan", "--topology", "{file}", "--tp", "2"], "{not json", {}, "line 1"),
     ("not UTF-8", ["plan", "--topology", "{file}", "--tp", "2"], "\udcff", {}, "decode"),
     ("a list", ["plan", "--topology", "{file}", "--tp", "1"], [1, 2], {}, "must be a JSON object"),
@@ -91,7 +111,35 @@ ROWS = [
         ["plan", "--topology", "{file}", "--tp", "2"],
         with_gpu(name=""),
         {},
-        "name must be a non-empty string",
+        "name must be one printable line",
+    ),
+    (
+        "gpu name with a newline",
+        ["plan", "--topology", "{file}", "--tp", "2"],
+        with_gpu(name="NVIDIA RTX\nPRO 6000"),
+        {},
+        "gpus[0].name must be one printable line of at most 96 characters, got 'NVIDIA RTX\\nPRO",
+    ),
+    (
+        "gpu name with an escape sequence",
+        ["plan", "--topology", "{file}", "--tp", "2"],
+        with_gpu(name="\x1b[2J RTX"),
+        {},
+        "gpus[0].name must be one printable line",
+    ),
+    (
+        "gpu name too long",
+        ["plan", "--topology", "{file}", "--tp", "2"],
+        with_gpu(name="RTX " * 100),
+        {},
+        "at most 96 characters",
+    ),
+    (
+        "description on two lines",
+        ["plan", "--topology", "{file}", "--tp", "2"],
+        topology(description="one\ntwo"),
+        {},
+        "'description' must be one printable line",
     ),
     (
         "numa node negative",
@@ -205,7 +253,102 @@ ROWS = [
         {"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie"},
         "--tp 16 needs 16 GPUs",
     ),
+    ("env: device", ["doctor"], None, {TOPOLOGY_ENV: "/dev/zero"}, "character device, not a"),
+    ("env: fifo", ["doctor"], FIFO, {TOPOLOGY_ENV: "{file}"}, "a FIFO, not a regular file"),
+    ("env: huge int", ["doctor"], HUGE_INT, {TOPOLOGY_ENV: "{file}"}, "5001 digits"),
+    ("env: duplicate key", ["doctor"], DUPLICATE_KEY, {TOPOLOGY_ENV: "{file}"}, "duplicate key"),
+    (
+        "env: gpu name with a newline",
+        ["doctor"],
+        with_gpu(name="RTX\nPRO"),
+        {TOPOLOGY_ENV: "{file}"},
+        "SGLANG_SM120_TOPOLOGY: file:",
+    ),
     ("doctor capability", ["doctor", "--capability", "twelve"], None, {}, "'twelve' is not a"),
+    ("dtype int8", ["plan", *PCIE8, "--tp", "8", "--dtype", "int8"], None, {}, "'int8' is not"),
+    ("dtype empty", ["plan", *PCIE8, "--tp", "8", "--dtype", ""], None, {}, "--dtype: '' is not"),
+    ("dtype auto", ["plan", *PCIE8, "--tp", "8", "--dtype", "auto"], None, {}, "model's config"),
+    (
+        "doctor dtype int8",
+        ["doctor", "--dtype", "int8"],
+        None,
+        {TOPOLOGY_ENV: "rtx-pro-6000-x8-pcie"},
+        "--dtype: 'int8' is not a model dtype",
+    ),
+    (
+        "unknown fusion backend",
+        ["plan", *PCIE8, "--tp", "8", "--fusion-backend", "nvlink"],
+        None,
+        {},
+        "--fusion-backend 'nvlink' is not one of SGLang's choices (auto, trtllm, mnnvl, cutedsl)",
+    ),
+    (
+        "unknown MoE all-to-all backend",
+        ["plan", *PCIE8, "--tp", "8", "--moe-a2a-backend", "deep_ep"],
+        None,
+        {},
+        "--moe-a2a-backend 'deep_ep' is not one of SGLang's choices (none, deepep,",
+    ),
+    (
+        "doctor unknown MoE all-to-all backend",
+        ["doctor", "--moe-a2a-backend", "nccl"],
+        None,
+        {TOPOLOGY_ENV: "rtx-pro-6000-x8-pcie"},
+        "--moe-a2a-backend 'nccl' is not one of SGLang's choices",
+    ),
+    ("model arch empty", ["plan", *PCIE8, "--tp", "8", "--model-arch", ""], None, {}, "'' is not"),
+    (
+        "model arch on two lines",
+        ["plan", *PCIE8, "--tp", "8", "--model-arch", "DeepseekV3ForCausalLM\nX"],
+        None,
+        {},
+        "--model-arch: 'DeepseekV3ForCausalLM\\nX' is not an architecture class name",
+    ),
+    (
+        "nnodes above the schema's cap",
+        ["plan", *PCIE8, "--tp", "8", "--nnodes", "1025"],
+        None,
+        {},
+        "--nnodes: 1025 is above 1024",
+    ),
+    ("unknown top-level flag", ["--bogus"], None, {}, "unrecognized arguments: --bogus"),
+    ("unknown flag before a command", ["--bogus", "profiles"], None, {}, "arguments: --bogus"),
+    ("no command", [], None, {}, "a command is required (doctor, plan,"),
+    (
+        "selftest target that does not exist",
+        ["selftest", "--target", "/nonexistent", "--draft", "/nonexistent-draft"],
+        None,
+        {},
+        "--target /nonexistent: no such directory",
+    ),
+    (
+        "selftest draft that does not exist",
+        ["selftest", "--target", "{dir}", "--draft", "./no-such-draft"],
+        None,
+        {},
+        "--draft ./no-such-draft: no such directory",
+    ),
+    (
+        "selftest repo id not in the HF cache",  # org/name is still a repo id, as before
+        ["selftest", "--target", "org/name", "--draft", "org/draft"],
+        None,
+        {"HF_HUB_OFFLINE": "1"},
+        "cannot read the config of --target org/name: ",
+    ),
+    (
+        "selftest target a file",
+        ["selftest", "--target", "{file}", "--draft", "{file}"],
+        {},
+        {},
+        "is a file, not a model directory",
+    ),
+    (
+        "tune cache dir a file",
+        ["tune", "--tp", "2"],
+        {},
+        {"SGLANG_SM120_CACHE_DIR": "{file}"},
+        "tune: SGLANG_SM120_CACHE_DIR={file} is not writable (a file, not a directory)",
+    ),
     ("tune tp zero", ["tune", "--tp", "0"], None, {}, "--tp: 0 is not a positive integer"),
     ("tune tokens zero", ["tune", "--tp", "2", "--tokens", "0"], None, {}, "--tokens: 0 is"),
     ("warmup vocab zero", ["warmup", "--vocab-size", "0"], None, {}, "--vocab-size: 0 is"),
@@ -233,12 +376,25 @@ NO_GPU_ROWS = [
 ]
 
 
+MEMORY_LIMIT = 6 << 30  # address space: importing sglang and torch takes ~2.5 GiB of it
+TIME_LIMIT_S = 90  # importing sglang takes ~8 s alone on 2 busy cores
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def run_bounded(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cli(*args, env=env, timeout=TIME_LIMIT_S, preexec_fn=_limit_memory)
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == "", proc.stdout
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sglang-sm120"), proc.stderr
+    assert len(lines[0]) < 1000, lines[0][:1000]  # a line a person reads, not a value echoed
     assert fragment in lines[0], lines[0]
 
 
@@ -251,14 +407,16 @@ def test_the_table_has_at_least_twenty_rows():
 )
 def test_bad_input_is_one_line_and_exit_2(args, content, env, fragment, tmp_path):
     path = tmp_path / "topology.json"
-    if isinstance(content, str):
+    if content is FIFO:
+        os.mkfifo(path)
+    elif isinstance(content, str):
         path.write_bytes(content.encode("utf-8", "surrogateescape"))
     elif content is not None:
         path.write_text(json.dumps(content))
-    fill = {"{file}": str(path)}
+    fill = {"{file}": str(path), "{dir}": str(tmp_path)}
     args = [fill.get(a, a) for a in args]
     env = {k: fill.get(v, v) for k, v in env.items()}
-    assert_one_line_error(run_cli(*args, env=env), fragment)
+    assert_one_line_error(run_bounded(*args, env=env), fragment.replace("{file}", str(path)))
 
 
 @pytest.mark.skipif(_cuda_visible(), reason="a GPU is visible: these commands would run")
@@ -266,7 +424,7 @@ def test_bad_input_is_one_line_and_exit_2(args, content, env, fragment, tmp_path
     ("args", "fragment"), [r[1:] for r in NO_GPU_ROWS], ids=[r[0] for r in NO_GPU_ROWS]
 )
 def test_gpu_commands_without_a_gpu_say_so_in_one_line(args, fragment):
-    assert_one_line_error(run_cli(*args), fragment)
+    assert_one_line_error(run_bounded(*args), fragment)
 
 
 def test_doctor_where_sglang_is_not_importable(tmp_path):

@@ -14,14 +14,23 @@ from kernel_library import expected_sm120_pcie_status, require_kernel_package
 KIMI = "KimiK25ForConditionalGeneration"
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 300, preexec_fn=None
+) -> subprocess.CompletedProcess:
     exe = shutil.which("sglang-sm120", path=os.path.dirname(sys.executable)) or shutil.which(
         "sglang-sm120"
     )
     assert exe, "the sglang-sm120 console script is not installed"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
     full_env.update(env or {})
-    return subprocess.run([exe, *args], capture_output=True, text=True, env=full_env, timeout=300)
+    return subprocess.run(
+        [exe, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
 
 
 def plan_json(*args: str) -> dict:
@@ -272,3 +281,24 @@ def test_doctor_prints_the_host_checks_as_a_table_with_each_fix():
     assert lines[row + 2].strip().startswith("from: /sys/bus/pci/devices/<bridge>/config")
     assert "  CHECK        STATUS   DETAIL" in lines
     assert any("host acs:" in line and "PCIe-IPC (staged)" in line for line in lines)
+
+
+def test_the_dtypes_doctor_and_plan_take_are_sglangs_own_but_auto():
+    """--dtype names what SGLang's --dtype accepts; "auto" needs the model's config."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang_sm120.cli import DTYPES
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if "--dtype" in a.option_strings]
+    assert set(DTYPES) == set(action.choices) - {"auto"}
+
+
+def test_the_upstream_flags_are_checked_against_sglangs_parser():
+    from sglang_sm120.cli import upstream_choices
+
+    choices = upstream_choices()
+    assert choices["fusion_backend"] == ["auto", "trtllm", "mnnvl", "cutedsl"]
+    assert {"none", "deepep", "flashinfer"} <= set(choices["moe_a2a_backend"])

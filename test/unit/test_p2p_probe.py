@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,25 @@ def test_an_unreadable_cache_directory_is_no_probe_not_an_error(monkeypatch):
     monkeypatch.setattr(Path, "is_file", refuse)
     summary, note = load_probe(PCIE8, (0, 1))
     assert summary is None and "unreadable: Permission denied" in note
+
+
+def test_a_cache_dir_that_is_a_file_is_named_in_the_no_probe_note(monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path / "a-file"))
+    summary, note = load_probe(PCIE8, (0, 1))
+    assert summary is None
+    assert note == (
+        f"no p2p probe for GPUs 0,1 (SGLANG_SM120_CACHE_DIR={tmp_path / 'a-file'} unreadable "
+        "(a file, not a directory))"
+    )
+
+
+def test_a_fifo_in_place_of_the_probe_is_unreadable_not_a_hang(cache):
+    path = save_probe(document())
+    path.unlink()
+    os.mkfifo(path)
+    summary, note = load_probe(PCIE8, (0, 1, 2, 3))
+    assert summary is None and "no p2p probe for GPUs 0,1,2,3" in note
 
 
 def test_fewer_than_two_gpus_have_no_probe():

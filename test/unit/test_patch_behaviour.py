@@ -230,6 +230,16 @@ def test_bad_timeout_value_falls_back_with_a_warning(monkeypatch, caplog):
     assert sm120_pcie_backend._timeout_ms() == 2000
 
 
+def test_a_timeout_past_one_hour_keeps_the_server_default_with_a_warning(monkeypatch, caplog):
+    """18446744073710 ms would wrap the kernels' 64-bit nanosecond bound to 0.45 ms."""
+    from sglang_sm120.patches import sm120_pcie_backend
+
+    monkeypatch.setenv("SGLANG_SM120_TIMEOUT_MS", "18446744073710")
+    with caplog.at_level("WARNING", logger="sglang_sm120"):
+        assert sm120_pcie_backend._timeout_ms() == sm120_pcie_backend.SERVER_TIMEOUT_MS
+    assert "SGLANG_SM120_TIMEOUT_MS='18446744073710' is above the bound 3600000" in caplog.text
+
+
 def publish_plan(monkeypatch, plan, tp: int) -> None:
     """This worker received ``plan`` from its launcher (as runtime.plan_for_view publishes)."""
     from sglang_sm120 import runtime

@@ -88,6 +88,24 @@ def failed(checks: dict[str, selftest.Check]) -> list[str]:
     return [name for name, c in checks.items() if not c.passed]
 
 
+@pytest.mark.parametrize(
+    ("model", "problem"),
+    [
+        ("/nonexistent", "no such directory"),
+        ("./no-such-model", "no such directory"),
+        ("~/no-such-model-here", "no such directory"),
+        ("deepseek-ai/DeepSeek-V3", None),  # a Hugging Face repo id: read from the HF cache
+        ("Llama-3.1-8B", None),
+        ("{dir}", None),
+        ("{file}", "is a file, not a model directory (give the folder with config.json)"),
+    ],
+)
+def test_a_model_that_looks_like_a_local_path_must_be_a_directory(tmp_path, model, problem):
+    (tmp_path / "config.json").write_text("{}")
+    model = model.replace("{dir}", str(tmp_path)).replace("{file}", str(tmp_path / "config.json"))
+    assert selftest.local_model_problem(model) == problem
+
+
 def test_runs_that_did_everything_right_pass_every_check() -> None:
     checks = verdict(*runs())
     assert failed(checks) == []

@@ -148,6 +148,34 @@ def test_bad_environment_values_are_named(monkeypatch):
         sk.resolve_tuning(4)
 
 
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ("18446744073710", "is above the bound 3600000"),  # x 10^6 ns wraps to 0.45 ms
+        ("3600001", "is above the bound 3600000"),
+        ("1" * 5000, "is not an integer"),  # past Python's own int() bound
+        ("0", "must be positive"),
+    ],
+)
+def test_a_timeout_past_one_hour_or_not_positive_is_refused_naming_the_variable(
+    monkeypatch, value, refusal
+):
+    monkeypatch.setenv(config.ENV_TIMEOUT_MS, value)
+    with pytest.raises(ValueError, match=f"SGLANG_SM120_TIMEOUT_MS=.* {refusal}"):
+        sk.resolve_tuning(2)
+
+
+def test_a_timeout_of_one_hour_is_the_largest_accepted(monkeypatch):
+    monkeypatch.setenv(config.ENV_TIMEOUT_MS, "3600000")
+    assert sk.resolve_tuning(2).timeout_ms == config.MAX_TIMEOUT_MS == 3_600_000
+    assert config.MAX_TIMEOUT_MS * 1_000_000 < 2**64  # the kernels' nanosecond word
+
+
+def test_an_explicit_timeout_past_one_hour_is_refused():
+    with pytest.raises(ValueError, match=r"timeout_ms=18446744073710 must be in \[1, 3600000\]"):
+        sk.resolve_tuning(2, timeout_ms=18446744073710)
+
+
 def test_variables_are_named_sglang_sm120_so_sglangs_sgl_rename_leaves_them_alone():
     names = [env.TIMEOUT_MS, env.KERNEL_REQUIRED, env.CUDA_ARCHS, env.KERNEL_LIBRARY]
     names += [env.BLOCK_BYTES, env.MAX_BLOCKS, env.ONESHOT_MAX_BYTES]

@@ -36,6 +36,25 @@ def make_table(facts=PCIE8, tp=8, share=False):
     return TuningTable(host_fingerprint(facts, tp), tp, 7168, "bfloat16", ms, ranks_share_gpu=share)
 
 
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (os.mkfifo, "unreadable: a FIFO, not a regular file"),  # would block the reader
+        (lambda p: p.write_text('{"tp": 8, "tp": 4}'), "unreadable: duplicate key 'tp'"),
+        (lambda p: p.write_text("{" + " " * (16 << 20) + "}"), "unreadable: over 16 MiB"),
+    ],
+    ids=["fifo", "duplicate key", "over 16 MiB"],
+)
+def test_a_table_file_that_is_not_a_strict_json_document_is_unreadable(make, reason):
+    """Anyone who can write the cache directory can put anything under a table's name; the
+    server must not hang or fill its memory on it."""
+    path = save_table(make_table())
+    path.unlink()
+    make(path)
+    table, note = load_table(PCIE8, 8, 7168, "bfloat16")
+    assert table is None and note.startswith(f"tuning table {path} {reason}")
+
+
 def test_round_trip_and_fresh_table_is_used():
     save_table(make_table())
     table, note = load_table(PCIE8, 8, 7168, "bfloat16")
@@ -135,7 +154,7 @@ def test_cache_dir_the_server_user_cannot_search_is_no_table_naming_it(monkeypat
 @pytest.mark.parametrize(
     ("layout", "error"),
     [
-        ("a-file", "Not a directory"),  # the variable names a regular file
+        ("a-file", "unreadable (a file, not a directory)"),  # the variable names a regular file
         ("a-file/cache", "Not a directory"),  # a directory below a regular file
         ("x" * 300, "File name too long"),  # a name the file system refuses
     ],

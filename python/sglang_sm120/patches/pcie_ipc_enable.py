@@ -8,10 +8,11 @@ How: AROUND hook on ``pcie_ipc_ar.eligible_group``, which stays a pure function 
     the runtime context. For the TP group of the planned size: PCIe-IPC on in the plan (the plain
     all-reduce, or behind sgl-kernel-sm120 for the sizes its tuning table routes to PCIe-IPC)
     and the variable unset -> the original runs with the variable set for that call (upstream
-    still applies its own group-name, world-size and determinism rules); the user set it to 1
-    on a host the plan refuses (no P2P, multi-node, non-bf16) -> False, said once. Everything
-    else (other groups, an explicit 0, no plan from the launcher) goes to the original
-    unchanged.
+    still applies its own group-name, world-size and determinism rules); the user set it on
+    on a host the plan refuses (no P2P, multi-node, non-bf16) -> False, said once; set, the
+    original runs with the value the plan read (``runtime.env_switch``: "on" or " 1" mean what
+    they mean to the plan, whatever upstream's own parser makes of them). Other groups and
+    no plan from the launcher go to the original unchanged.
 Upstream: none filed; the backend is opt-in by design upstream.
 Removal: when upstream enables PCIe-IPC by topology detection.
 """
@@ -54,18 +55,18 @@ def eligible_by_plan(original, *, group_name, world_size: int, deterministic: bo
     if group_name != "tp" or plan is None or not plan.managed or world_size != worker_tp_size():
         return original(**call)
     user_choice = pcie_ipc_env()
-    if plan.pcie_ipc_on and user_choice is None:
-        from sglang.srt.environ import envs
-
-        with envs.SGLANG_ENABLE_PCIE_IPC_ALLREDUCE.override(True):
-            return original(**call)
     if user_choice and not plan.pcie_ipc_on:
         log_once(
             logging.WARNING,
             f"sglang-sm120: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused: {plain_reason(plan)}",
         )
         return False
-    return original(**call)
+    from sglang.srt.environ import envs
+
+    # Upstream reads the variable with its own spelling rules; it gets the value the plan read.
+    choice = plan.pcie_ipc_on if user_choice is None else user_choice
+    with envs.SGLANG_ENABLE_PCIE_IPC_ALLREDUCE.override(choice):
+        return original(**call)
 
 
 HOOKS = ((TARGET, eligible_by_plan, HookType.AROUND),)

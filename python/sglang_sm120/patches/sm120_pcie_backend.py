@@ -215,11 +215,12 @@ def not_needed(cap: Capability) -> str | None:
 
 def _timeout_ms() -> int:
     """The peer-wait bound: SGLANG_SM120_TIMEOUT_MS (or a deprecated spelling), else the
-    server default; a value that is not a positive integer is refused with a warning."""
-    from sgl_kernel_sm120.config import ENV_TIMEOUT_MS, env_int
+    server default; a value that is not an integer 1..3600000 (one hour) is refused with a
+    warning."""
+    from sgl_kernel_sm120.config import env_timeout_ms
 
     try:
-        return env_int(ENV_TIMEOUT_MS) or SERVER_TIMEOUT_MS
+        return env_timeout_ms() or SERVER_TIMEOUT_MS
     except ValueError as exc:
         log_once(logging.WARNING, f"sglang-sm120: {exc}; using {SERVER_TIMEOUT_MS} ms")
         return SERVER_TIMEOUT_MS

@@ -25,6 +25,10 @@ MAX_TOKENS = 2048
 ELEMENT_BYTES = 2  # bf16 / fp16
 VECTOR_BYTES = 16  # the kernels move 16-byte vectors: sizes must be multiples of 8 elements
 DEFAULT_TIMEOUT_MS = 5000
+# The kernels compare against timeout_ms x 10^6 in a 64-bit nanosecond word: a value past
+# ~1.8e13 ms wraps (18446744073710 would become 0.45 ms). An hour is far beyond any wait a
+# working peer needs and far inside the word.
+MAX_TIMEOUT_MS = 3_600_000
 DEFAULT_BLOCK_BYTES = 4096
 # Up to one block per SM (capped by what the GPU holds): a one-shot push scales with the SMs
 # that push (2x H200, 256 tokens: 20.6 us at 64 blocks, 17.2 at 128). Measured over NVLink only.
@@ -52,19 +56,33 @@ def default_oneshot_max_bytes(world_size: int) -> int:
     return (256 << 10) // world_size // VECTOR_BYTES * VECTOR_BYTES
 
 
-def env_int(name: str) -> int | None:
-    """Positive integer from variable `name` (or its deprecated spelling, see env.py); None
-    when unset; ValueError naming the variable when it is not a positive integer."""
+def env_int(name: str, maximum: int | None = None) -> int | None:
+    """Positive integer from variable `name` (or its deprecated spelling, see env.py), at most
+    `maximum`; None when unset; ValueError naming the variable when it is not one."""
     raw = env.get(name)
     if raw is None:
         return None
     try:
         value = int(raw, 0)
-    except ValueError:
-        raise ValueError(f"${name}={raw!r} is not an integer") from None
+    except ValueError:  # also past Python's 4300 digits
+        raise ValueError(f"${name}={raw[:40]!r} is not an integer") from None
     if value <= 0:
         raise ValueError(f"${name}={raw!r} must be positive")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"${name}={raw!r} is above the bound {maximum}")
     return value
+
+
+def env_timeout_ms() -> int | None:
+    """SGLANG_SM120_TIMEOUT_MS: 1..MAX_TIMEOUT_MS (one hour), None when unset; ValueError
+    naming the variable and the bound otherwise."""
+    return env_int(ENV_TIMEOUT_MS, maximum=MAX_TIMEOUT_MS)
+
+
+def check_timeout_ms(timeout_ms: int) -> int:
+    if not 1 <= timeout_ms <= MAX_TIMEOUT_MS:
+        raise ValueError(f"timeout_ms={timeout_ms} must be in [1, {MAX_TIMEOUT_MS}] (one hour)")
+    return timeout_ms
 
 
 @dataclass(frozen=True)
@@ -118,7 +136,7 @@ def resolve_tuning(
             f"max_blocks={blocks} x {ranks_per_gpu} ranks on one GPU exceeds the "
             f"{resident_blocks} blocks it can hold at once: the spinning kernels would deadlock"
         )
-    timeout = timeout_ms or env_int(ENV_TIMEOUT_MS) or DEFAULT_TIMEOUT_MS
+    timeout = check_timeout_ms(timeout_ms or env_timeout_ms() or DEFAULT_TIMEOUT_MS)
     rows_per_block = (
         fused_rows_per_block or env_int(ENV_FUSED_ROWS_PER_BLOCK) or DEFAULT_FUSED_ROWS_PER_BLOCK
     )
