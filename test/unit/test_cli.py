@@ -272,3 +272,19 @@ def test_doctor_prints_the_host_checks_as_a_table_with_each_fix():
     assert lines[row + 2].strip().startswith("from: /sys/bus/pci/devices/<bridge>/config")
     assert "  CHECK        STATUS   DETAIL" in lines
     assert any("host acs:" in line and "PCIe-IPC (staged)" in line for line in lines)
+
+
+@pytest.mark.parametrize(("tp", "fusion"), [(2, "trtllm"), (8, None)])
+def test_plan_with_fusion_backend_auto_follows_the_tp_default(tp, fusion):
+    plan = plan_json(
+        "--profile",
+        "rtx-pro-6000-x8-pcie",
+        "--tp",
+        str(tp),
+        "--model-arch",
+        KIMI,
+        "--fusion-backend",
+        "auto",
+    )
+    assert plan["fusion_backend"] == fusion
+    assert not any("requested" in r for r in plan["reasons"]), plan["reasons"]

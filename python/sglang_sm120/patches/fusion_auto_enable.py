@@ -4,8 +4,10 @@ Why: ``overrides._flashinfer_allreduce_fusion_auto_enable`` enables FlashInfer's
     all-reduce + residual + RMSNorm only on SM90/SM100, so SM120 never gets it; and a backend the
     user forces that SM120 cannot run is only discovered when warmup crashes.
 How: AROUND hook on the post-process pass. On SM12x hosts it returns the plan's backend:
-    ``trtllm`` at TP2 or when the user asked for trtllm/auto, ``None`` with a WARNING when the
-    user's choice is refused (mnnvl, cutedsl, no P2P, multi-node). Upstream's enforce-disable
+    the tuning table's or the TP default (``trtllm`` at TP2) when the user asked for nothing or
+    for ``auto`` (also the deprecated ``--enable-flashinfer-allreduce-fusion``), the user's
+    explicit backend, or ``None`` with a WARNING when that is refused (mnnvl, cutedsl, no P2P,
+    multi-node). Upstream's enforce-disable
     pass runs after it and still wins. Other GPUs get upstream's answer. The plan is published
     to the workers this process spawns (``runtime.plan_for_view``). The pass is run by
     ``model_hook.handle_model_specific_adjustments`` through its ``from overrides import``
@@ -57,7 +59,7 @@ def fusion_backend_from_plan(original, view: Any) -> dict:
     if not plan.managed:
         return declared
     requested = getattr(view, FIELD)
-    if requested is not None and plan.fusion_backend is None:
+    if requested not in (None, "auto") and plan.fusion_backend is None:  # auto: the plan decides
         log_once(
             logging.WARNING,
             f"sglang-sm120: --flashinfer-allreduce-fusion-backend {requested} "
