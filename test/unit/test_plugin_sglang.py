@@ -35,7 +35,8 @@ SM120 = dict(
 ALL_PATCHES = {patch_name(m) for m in PATCHES}
 # Without sgl-kernel-sm120 these two say "not needed (sgl-kernel-sm120 is not installed)".
 KERNEL_PATCHES = {"sm120_pcie_backend", "peer_check"}
-BEHAVIOUR_PATCHES = ALL_PATCHES - {"graph_stats"}
+# The patches a TP worker registers; the others serve the processes that spawn schedulers.
+BEHAVIOUR_PATCHES = {patch_name(m) for m in PATCHES if "scheduler" in m.ROLES} - {"graph_stats"}
 
 
 def expected_worker_statuses() -> dict[str, str]:
