@@ -25,6 +25,7 @@ for source in (ROOT / "python", ROOT / "sgl-kernel-sm120" / "python"):
     if str(source) not in sys.path:
         sys.path.append(str(source))
 
+
 def write_model_config(root: Path, arch: str) -> Path:
     path = root / arch
     path.mkdir(parents=True, exist_ok=True)
