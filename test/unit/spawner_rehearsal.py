@@ -6,6 +6,8 @@ the child was started with to ``$REHEARSAL_DIR/child-<pid>.json`` and exits.
 ``engine``: a user's script runs ``sglang.Engine(...)`` (a subclass naming its scheduler
     function, as SGLang's fork override point allows); the Engine spawns its children with
     ``mp`` spawn, which re-imports this ``__main__`` in each of them.
+``http_server``: a user's script calls ``http_server.launch_server`` itself, which loads
+    plugins only after it resolved the server args.
 ``dp_controller``: a launcher-like parent resolves the server args with the plugin loaded, then
     starts SGLang's ``run_data_parallel_controller_process`` in a spawned process, as the Engine
     does for ``--dp``; the DP controller spawns its TP groups' children.
@@ -14,7 +16,7 @@ The hardware is faked the supported way: ``SGLANG_SM120_TOPOLOGY`` (ours) and
 ``override_platform`` (upstream's), which each spawned process installs at import
 (``REHEARSAL_SM120``), since a spawned child starts from a fresh interpreter.
 
-    python spawner_rehearsal.py engine|dp_controller <model_dir> <tp> <dp>
+    python spawner_rehearsal.py engine|http_server|dp_controller <model_dir> <tp> <dp>
 """
 
 from __future__ import annotations
@@ -91,6 +93,31 @@ def engine(model_dir: str, tp: int, dp: int) -> dict:
     return {"children": children(tp * dp), "error": error}
 
 
+def http_server(model_dir: str, tp: int, dp: int) -> dict:
+    """A user's script calls ``http_server.launch_server`` directly: SGLang loads plugins only
+    inside it, after it resolved the server args."""
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.server_args import ServerArgs
+
+    extra = json.loads(os.environ.get("REHEARSAL_SERVER_ARGS", "{}"))
+    args = ServerArgs(
+        model_path=model_dir,
+        tp_size=tp,
+        dp_size=dp,
+        device="cuda",
+        skip_tokenizer_init=True,
+        log_level="info",
+        **extra,
+    )
+    try:
+        launch_server(args, run_scheduler_process_func=report_plan)
+    except BaseException as exc:  # the children report and exit without saying "ready"
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    return {"children": children(tp * dp), "error": error}
+
+
 def dp_controller(model_dir: str, tp: int, dp: int) -> dict:
     import multiprocessing as mp
 
@@ -127,8 +154,13 @@ def dp_controller(model_dir: str, tp: int, dp: int) -> dict:
 
 def main() -> None:
     phase, model_dir, tp, dp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    result = (engine if phase == "engine" else dp_controller)(model_dir, tp, dp)
+    phases = {"engine": engine, "http_server": http_server, "dp_controller": dp_controller}
+    result = phases[phase](model_dir, tp, dp)
     print("REHEARSAL " + json.dumps(result), flush=True)
+    from sglang.srt.utils.common import kill_process_tree
+
+    # What launch_server's own main does on the way out: the detokenizer outlives a failed start.
+    kill_process_tree(os.getpid(), include_parent=False)
 
 
 if __name__ == "__main__":

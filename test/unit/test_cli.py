@@ -127,6 +127,12 @@ def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
     report = json.loads(proc.stdout)
     stats = report["patches"].pop("graph_stats")
     assert report["patches"].pop("sm120_pcie_backend") == expected_sm120_pcie_status()
+    assert report["patches"].pop("engine_launch_plan") == (
+        "needed in the Engine (doctor starts no such process)"
+    )
+    assert report["patches"].pop("dp_controller_launch_plan") == (
+        "needed in the DP controller (doctor starts no such process)"
+    )
     assert set(report["patches"].values()) == {"applied"}
     assert stats == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert report["plan"]["plain_allreduce"] == "pcie_ipc"

@@ -89,8 +89,11 @@ STALE_PLAN = {
 }
 
 
-def rehearse_spawner(phase: str, model_dir: Path, tp: int, dp: int, tmp_path: Path):
+def rehearse_spawner(
+    phase: str, model_dir: Path, tp: int, dp: int, tmp_path: Path, server_args: dict | None = None
+):
     env = {
+        "REHEARSAL_SERVER_ARGS": json.dumps(server_args or {}),
         **os.environ,
         "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
         "SGLANG_SM120_LAUNCH_PLAN": json.dumps(STALE_PLAN),
@@ -118,6 +121,21 @@ def test_an_engine_process_is_named_and_hands_its_children_a_fresh_plan(model_di
         assert plan["tp_size"] == 2 and plan["gpu_ids"] == [0, 1]
         assert plan["plan"]["fusion_backend"] == "trtllm"  # TP2's default, not the stale plan's
         assert "a stale plan from another launch" not in plan["plan"]["reasons"]
+
+
+def test_a_direct_launch_server_caller_plans_for_its_children(model_dirs, tmp_path):
+    """http_server.launch_server resolves the server args before it loads plugins: the plan is
+    made right before the schedulers are spawned, from those server args (here fusion off by
+    the user's switch, so server args and plan agree)."""
+    switch = {"enforce_disable_flashinfer_allreduce_fusion": True}
+    result, log = rehearse_spawner("http_server", model_dirs[KIMI], 2, 1, tmp_path, switch)
+    assert [line for line in status_lines(log) if "(Engine)" in line], log[-3000:]
+    plans = [json.loads(child["launch_plan"]) for child in result["children"]]
+    assert len(plans) == 2, result
+    for plan in plans:
+        assert plan["tp_size"] == 2 and plan["plan"]["fusion_backend"] is None
+        reasons = plan["plan"]["reasons"]
+        assert "fusion off: --enforce-disable-flashinfer-allreduce-fusion" in reasons
 
 
 def test_a_dp_controller_is_named_and_hands_its_children_a_fresh_plan(model_dirs, tmp_path):
