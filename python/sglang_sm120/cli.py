@@ -369,6 +369,19 @@ def _worker_statuses() -> dict[str, str]:
     return json.loads(lines[-1].removeprefix("WORKER "))
 
 
+def _unvisited_status(module) -> str:
+    """A patch only processes doctor does not start use (an Engine process, the DP controller):
+    whether this host needs it, without claiming it was applied."""
+    from sglang_sm120.plugin import ROLE_NAMES
+    from sglang_sm120.runtime import sm12x_capability
+
+    reason = module.not_needed(sm12x_capability())
+    if reason is not None:
+        return f"not needed ({reason})"
+    names = " and ".join(ROLE_NAMES[role] for role in module.ROLES)
+    return f"needed in the {names} (doctor starts no such process)"
+
+
 def _plugin_state() -> dict[str, Any]:
     """Load plugins exactly as an SGLang launcher does, then as a TP worker does, and report
     what each really applied (every hook looked up in its target's applied chain)."""
@@ -393,6 +406,8 @@ def _plugin_state() -> dict[str, Any]:
         name = patch_name(module)
         seen = [statuses[name] for statuses in by_process.values() if name in statuses]
         used = [status for status in seen if not status.startswith("not used in the")]
+        if not used and seen and not set(module.ROLES) & {"launcher", "scheduler"}:
+            used = [_unvisited_status(module)]
         patches[name] = (used or seen or ["plugin not loaded"])[0]
     return {
         "entry_point_discovered": discovered,

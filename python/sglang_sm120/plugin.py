@@ -9,7 +9,10 @@ applied is checked afterwards by ``verify_applied()``, which walks each target's
 ``apply_hooks``.
 
 Each process registers only what runs in it (``runtime.process_role``): the launcher the
-server-args pass, a scheduler process the worker-side seams, the detokenizer nothing. Resolving a
+server-args pass, an Engine process that pass and its scheduler spawn, the DP controller its
+scheduler spawn, a scheduler process the worker-side seams, the detokenizer nothing (a child
+that loads plugins while multiprocessing is still starting it: a scheduler's and a DP
+controller's). Resolving a
 hook target imports its module, and the worker modules cost seconds to import.
 
 Order of refusals (first match wins; recorded as the patch status, WARNING/ERROR logged once):
@@ -20,21 +23,23 @@ version is not the pinned one -> a contract symbol does not match. ``register()`
 from __future__ import annotations
 
 import logging
-import os
 from importlib import metadata
 from typing import Any
 
 from sglang_sm120 import SGLANG_PIN, __version__
 from sglang_sm120.contract import Symbol, check, resolve
 from sglang_sm120.runtime import (
+    BOOTSTRAPPING,
+    BOOTSTRAPPING_ROLES,
     DISABLE_ENV,
-    LAUNCH_PLAN_ENV,
     PATCH_STATUS,
+    SPAWNER_ROLES,
     log_once,
     logger,
     plugin_disabled,
     process_role,
     sm12x_capability,
+    withdraw_launch_plan,
     worker_capability,
 )
 from sglang_sm120.topology import TopologyError
@@ -52,7 +57,14 @@ _REGISTRY_CONTRACT = (
         params=("original_fn", "hook", "hook_type"),
     ),
 )
-ROLE_NAMES = {"launcher": "launcher", "scheduler": "TP worker", "detokenizer": "detokenizer"}
+ROLE_NAMES = {
+    "launcher": "launcher",
+    "engine": "Engine",
+    "dp_controller": "DP controller",
+    "scheduler": "TP worker",
+    "detokenizer": "detokenizer",
+    BOOTSTRAPPING: "child multiprocessing was still starting",
+}
 
 
 def declared_contract(modules) -> tuple[Symbol, ...]:
@@ -71,7 +83,7 @@ def _record(status: str, modules=None) -> None:
 def _capability_for(role: str):
     """A worker: the TP group's GPUs as the launcher saw them. The launcher: the visible SM12x
     GPUs (a host may also hold other cards; the plan decides on the TP group's own GPUs)."""
-    return worker_capability() if role == "scheduler" else sm12x_capability()
+    return worker_capability() if role in ("scheduler", BOOTSTRAPPING) else sm12x_capability()
 
 
 def register_patches(role: str) -> dict[str, str]:
@@ -79,16 +91,17 @@ def register_patches(role: str) -> dict[str, str]:
     patch's status. Hooks are applied by SGLang's loader, not here."""
     from sglang_sm120.patches import PATCHES, patch_name
 
-    if role == "launcher":  # it publishes its own plan; one inherited from elsewhere is stale
-        os.environ.pop(LAUNCH_PLAN_ENV, None)
+    if role in SPAWNER_ROLES:  # it publishes its own plan; one it inherited is another launch's
+        withdraw_launch_plan()
     if plugin_disabled():
         _record(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)
     cap = _capability_for(role)
+    serves = BOOTSTRAPPING_ROLES if role == BOOTSTRAPPING else (role,)
     needed = []
     for module in PATCHES:  # in ledger order, which doctor keeps
         name = patch_name(module)
-        if role not in module.ROLES:
+        if not set(serves) & set(module.ROLES):
             PATCH_STATUS[name] = f"not used in the {ROLE_NAMES[role]}"
             continue
         reason = module.not_needed(cap)

@@ -447,7 +447,7 @@ def _fusion_blocker(
             "fusion off: --use-ray (Ray actors do not load SGLang plugins, and upstream's fused "
             "backends refuse SM12x there)"
         )
-    if d.model_arch is None and d.fusion_backend_flag is None:
+    if d.model_arch is None and requested_fusion(d) is None:
         return "fusion not planned: model architecture unknown (pass --model-arch)"
     if d.model_arch is not None and d.model_arch not in archs:
         return f"fusion off: upstream has no fused all-reduce path for {d.model_arch}"
@@ -458,7 +458,7 @@ def _fusion_blocker(
     if d.moe_a2a_backend != "none":
         return f"fusion off: MoE all-to-all backend {d.moe_a2a_backend}"
     if not cap.fusion_capable:
-        requested = d.fusion_backend_flag or d.plugin_backend
+        requested = requested_fusion(d)
         refused = f" (requested {requested} refused)" if requested else ""
         return f"fusion off{refused}: {cap.reasons[0]}"
     return None
@@ -483,12 +483,21 @@ def _sm120_pcie_blocker(facts: HostFacts, d: Deployment) -> str | None:
 FROM_TABLE = "<from the tuning table>"  # _plan_fusion's answer when the table decides
 
 
+def requested_fusion(d: Deployment) -> str | None:
+    """The fused backend the user asked for, or None where the plan decides. "auto" is no
+    request, however it is spelled (``--flashinfer-allreduce-fusion-backend auto``, the
+    deprecated ``--enable-flashinfer-allreduce-fusion``, which upstream turns into auto,
+    ``SGLANG_SM120_FUSION_BACKEND=auto``): the tuning table decides, then the TP default."""
+    flag = None if d.fusion_backend_flag == "auto" else d.fusion_backend_flag
+    return flag or d.plugin_backend
+
+
 def _plan_fusion(
     cap: Capability, facts: HostFacts, d: Deployment, archs: Collection[str]
 ) -> tuple[str | None, str]:
     """(fusion backend, reason); FROM_TABLE when a tuning table decides (_plan_from_table)."""
     blocker = _fusion_blocker(cap, facts, d, archs)
-    requested = d.fusion_backend_flag or d.plugin_backend
+    requested = requested_fusion(d)
     if blocker is not None:
         return None, blocker
     if requested == "sm120_pcie":
@@ -509,7 +518,9 @@ def _plan_fusion(
                 ),
             )
         how = (
-            "--flashinfer-allreduce-fusion-backend" if d.fusion_backend_flag else PLUGIN_BACKEND_ENV
+            "--flashinfer-allreduce-fusion-backend"
+            if requested == d.fusion_backend_flag
+            else PLUGIN_BACKEND_ENV
         )
         return "trtllm", f"fusion trtllm: requested with {how} {requested}"
     if d.tuning is not None:

@@ -1,12 +1,19 @@
 """Glue between a running SGLang process and the policy: which process this is, the plan it
 follows, the patch statuses it records, and its log lines.
 
-SGLang runs the plugin in several processes (UPSTREAM.md section 7):
+SGLang runs the plugin in several processes (UPSTREAM.md section 7). Which one this is
+(``process_role``) is read from the call stack when ``load_plugins()`` first runs: SGLang calls
+it from each process's own entry function (``ROLE_ENTRIES``), so the innermost of those on the
+stack names the process, whatever modules it happened to import before.
 
-- the launcher (``launch_server``, ``sglang serve``, an ``Engine``) resolves the server args.
-  ``plan_for_view`` plans there from the real server args, for every GPU the node's ranks will
-  use (``--base-gpu-id``, ``--gpu-id-step``, PP stages, DP replicas), and publishes the plan in
-  ``SGLANG_SM120_LAUNCH_PLAN``, which every process it spawns inherits;
+- processes that spawn schedulers plan for them and publish the plan in
+  ``SGLANG_SM120_LAUNCH_PLAN``, which every process they spawn inherits; one they inherited
+  themselves is another launch's and is dropped. The launcher (``launch_server``, ``sglang
+  serve``) and an Engine process (``sglang.Engine``, or ``http_server.launch_server`` called
+  directly) plan while resolving the server args (``plan_for_view``), for every GPU the node's
+  ranks will use (``--base-gpu-id``, ``--gpu-id-step``, PP stages, DP replicas); an Engine
+  process and the DP controller plan again right before they spawn schedulers
+  (``plan_for_spawn``), from the server args they spawn them with;
 - the TP workers (scheduler processes) follow that plan (``worker_plan``): they cannot re-derive
   it, since the resolved server args no longer say what the user asked for, and a worker may see
   one GPU only (``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1``). Without a published plan the worker
@@ -23,6 +30,7 @@ import dataclasses
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import sys
 from typing import Any
@@ -62,26 +70,72 @@ _pending: list[tuple[int, str]] = []
 _logging_ready: list[bool] = [False]
 _last_plan: list[AllReducePlan] = []
 
-# Module SGLang's scheduler lives in: a process that has loaded it runs (or will import and run)
-# model code; one with only the detokenizer loaded is the detokenizer.
-SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
-DETOKENIZER_MODULE = "sglang.srt.managers.detokenizer_manager"
-
+# The functions SGLang calls load_plugins() from, and the process each one is the entry of:
+# (module, qualified name, role). test_process_roles checks each row against the installed
+# sglang. ``launch_server``'s and ``sglang serve``'s main call it too: the launcher.
+ROLE_ENTRIES = (
+    ("sglang.srt.managers.scheduler", "run_scheduler_process", "scheduler"),
+    ("sglang.srt.managers.detokenizer_manager", "run_detokenizer_process", "detokenizer"),
+    (
+        "sglang.srt.managers.data_parallel_controller",
+        "run_data_parallel_controller_process",
+        "dp_controller",
+    ),
+    ("sglang.srt.entrypoints.engine", "Engine.__init__", "engine"),
+    ("sglang.srt.entrypoints.engine", "Engine._launch_subprocesses", "engine"),
+)
+# Where load_plugins() is called from outside those functions (the launcher; a script, a tool or
+# a test that loads plugins itself), the modules loaded say what the process is, the most telling
+# first: the engine's module is loaded only where SGLang's engine runs in-process (the scheduler
+# and the DP controller never import it); none of them: the launcher.
+ROLE_MODULES = (
+    ("sglang.srt.entrypoints.engine", "engine"),
+    ("sglang.srt.managers.scheduler", "scheduler"),
+    ("sglang.srt.managers.detokenizer_manager", "detokenizer"),
+)
+# Processes that spawn schedulers: each publishes its own plan for them.
+SPAWNER_ROLES = ("launcher", "engine", "dp_controller")
+# load_plugins() ran while multiprocessing was still starting this process: a module-level call
+# in the parent's __main__, which a spawned child re-imports before it knows what it will run.
+# Such a child registers what the children SGLang spawns may need (BOOTSTRAPPING_ROLES), keeps
+# the plan it inherited, and learns its role when SGLang's entry function reports its status.
+BOOTSTRAPPING = "bootstrapping"
+BOOTSTRAPPING_ROLES = ("scheduler", "dp_controller")
 
 _role: list[str] = []
 
 
+def role_from_stack(frame: Any) -> str | None:
+    """The role of the innermost ``ROLE_ENTRIES`` function on the stack from ``frame``."""
+    entries = {(module, name): role for module, name, role in ROLE_ENTRIES}
+    while frame is not None:
+        key = (frame.f_globals.get("__name__"), frame.f_code.co_qualname)
+        if key in entries:
+            return entries[key]
+        frame = frame.f_back
+    return None
+
+
+def _decide_role(frame: Any) -> str:
+    role = role_from_stack(frame)
+    if role is not None:
+        return role
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return BOOTSTRAPPING
+    return next((r for module, r in ROLE_MODULES if module in sys.modules), "launcher")
+
+
 def process_role() -> str:
-    """``scheduler`` (TP workers, and Engine/DP-controller processes, which import the scheduler),
-    ``detokenizer``, or ``launcher``: decided once, from what SGLang had loaded when it first
-    asked (``load_plugins()``); the launcher imports the scheduler later, to spawn it."""
+    """``launcher``, ``engine``, ``dp_controller``, ``scheduler`` (a TP worker), ``detokenizer``
+    (or ``bootstrapping``): decided when ``load_plugins()`` first runs, from the SGLang entry
+    function that called it (``ROLE_ENTRIES``), not from the modules loaded (an Engine process
+    and the DP controller import the scheduler module too, and a child that multiprocessing
+    spawns re-imports its parent's ``__main__`` with whatever that imports). Only a caller
+    outside SGLang's entries is judged by its modules (``ROLE_MODULES``)."""
     if not _role:
-        if SCHEDULER_MODULE in sys.modules:
-            _role.append("scheduler")
-        elif DETOKENIZER_MODULE in sys.modules:
-            _role.append("detokenizer")
-        else:
-            _role.append("launcher")
+        _role.append(_decide_role(sys._getframe(1)))
+    elif _role[0] == BOOTSTRAPPING:  # the entry function may be on the stack by now
+        _role[0] = role_from_stack(sys._getframe(1)) or BOOTSTRAPPING
     return _role[0]
 
 
@@ -95,6 +149,17 @@ def log_once(level: int, message: str) -> None:
         logger.log(level, message)
     else:
         _pending.append((level, message))
+
+
+def logging_ready() -> bool:
+    """Whether this process's status line is out (SGLang configured its logging)."""
+    return _logging_ready[0]
+
+
+def withdraw_launch_plan() -> None:
+    """Publish no plan: the processes this one spawns leave every decision to upstream."""
+    os.environ.pop(LAUNCH_PLAN_ENV, None)
+    _launch_plan.cache_clear()
 
 
 def logging_configured(first: str) -> None:
@@ -337,9 +402,14 @@ def plan_to_publish(facts: HostFacts, deployment: Deployment) -> tuple[AllReduce
 
 
 def plan_for_view(view: Any) -> AllReducePlan:
-    """The launcher's plan, logged once and published to the processes it spawns."""
+    """This process's plan for the server args ``view`` shows, logged once and published to the
+    processes it spawns."""
     deployment = deployment_from_view(view)
     plan, published = plan_to_publish(current_facts(), deployment)
+    return _publish(deployment, plan, published)
+
+
+def _publish(deployment: Deployment, plan: AllReducePlan, published: str | None) -> AllReducePlan:
     _last_plan[:] = [plan]
     if plan.managed:
         tp = deployment.tp_size
@@ -350,6 +420,49 @@ def plan_for_view(view: Any) -> AllReducePlan:
         os.environ[LAUNCH_PLAN_ENV] = published
     _launch_plan.cache_clear()
     return plan
+
+
+AUTO_ENABLE_PASS = "_flashinfer_allreduce_fusion_auto_enable"  # its declarations' source
+FUSION_FIELD = "flashinfer_allreduce_fusion_backend"
+
+
+def requested_view(server_args: Any) -> Any:
+    """The server args as the fusion auto-enable pass saw them: the record's declarations made
+    before that pass's (which the ``fusion_auto_enable`` patch always makes on a managed host).
+    Resolution keeps its declarations on the record, also across pickling to child processes,
+    so a process handed resolved server args sees what the user asked for."""
+    from sglang.srt.arg_groups.model_override_base import ResolvedView
+
+    overlay: dict[str, Any] = {}
+    for source, declared in getattr(server_args, "_resolved_overrides", None) or ():
+        if source == AUTO_ENABLE_PASS:
+            break
+        overlay.update(declared)
+    return ResolvedView(server_args, overlay=overlay)
+
+
+def plan_for_spawn(server_args: Any) -> AllReducePlan:
+    """The plan a process publishes right before it spawns schedulers with ``server_args``
+    (an Engine process, the DP controller): planned afresh from what the user asked for, so
+    it is the plan the server args were resolved with, never one inherited from elsewhere.
+    Server args resolved before the plugin loaded (``http_server.launch_server`` called with
+    an unresolved record) may say another fused backend than the plan: then nothing is
+    published (ERROR), and the schedulers leave every decision to upstream."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    deployment = deployment_from_view(requested_view(server_args))
+    plan, published = plan_to_publish(current_facts(), deployment)
+    resolved = resolution_result(server_args, FUSION_FIELD)
+    if plan.managed and published is not None and resolved != plan.fusion_backend:
+        reason = (
+            f"plan not published: the server args were resolved before sglang-sm120 loaded "
+            f"({FUSION_FIELD}={resolved!r}, the plan says {plan.fusion_backend!r}; call "
+            "sglang.srt.plugins.load_plugins() before resolving them); upstream behaviour, "
+            "untouched"
+        )
+        log_once(logging.ERROR, f"sglang-sm120: {reason}")
+        plan, published = AllReducePlan(False, None, "upstream", (reason,)), None
+    return _publish(deployment, plan, published)
 
 
 @functools.cache

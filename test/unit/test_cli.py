@@ -136,6 +136,12 @@ def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
     report = json.loads(proc.stdout)
     stats = report["patches"].pop("graph_stats")
     assert report["patches"].pop("sm120_pcie_backend") == expected_sm120_pcie_status()
+    assert report["patches"].pop("engine_launch_plan") == (
+        "needed in the Engine (doctor starts no such process)"
+    )
+    assert report["patches"].pop("dp_controller_launch_plan") == (
+        "needed in the DP controller (doctor starts no such process)"
+    )
     assert set(report["patches"].values()) == {"applied"}
     assert stats == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert report["plan"]["plain_allreduce"] == "pcie_ipc"
@@ -302,3 +308,19 @@ def test_the_upstream_flags_are_checked_against_sglangs_parser():
     choices = upstream_choices()
     assert choices["fusion_backend"] == ["auto", "trtllm", "mnnvl", "cutedsl"]
     assert {"none", "deepep", "flashinfer"} <= set(choices["moe_a2a_backend"])
+
+
+@pytest.mark.parametrize(("tp", "fusion"), [(2, "trtllm"), (8, None)])
+def test_plan_with_fusion_backend_auto_follows_the_tp_default(tp, fusion):
+    plan = plan_json(
+        "--profile",
+        "rtx-pro-6000-x8-pcie",
+        "--tp",
+        str(tp),
+        "--model-arch",
+        KIMI,
+        "--fusion-backend",
+        "auto",
+    )
+    assert plan["fusion_backend"] == fusion
+    assert not any("requested" in r for r in plan["reasons"]), plan["reasons"]

@@ -35,7 +35,8 @@ SM120 = dict(
 ALL_PATCHES = {patch_name(m) for m in PATCHES}
 # Without sgl-kernel-sm120 these two say "not needed (sgl-kernel-sm120 is not installed)".
 KERNEL_PATCHES = {"sm120_pcie_backend", "peer_check"}
-BEHAVIOUR_PATCHES = ALL_PATCHES - {"graph_stats"}
+# The patches a TP worker registers; the others serve the processes that spawn schedulers.
+BEHAVIOUR_PATCHES = {patch_name(m) for m in PATCHES if "scheduler" in m.ROLES} - {"graph_stats"}
 
 
 def expected_worker_statuses() -> dict[str, str]:
@@ -475,3 +476,85 @@ def test_sm120_pcie_refused_without_p2p(model_dirs):
     )
     assert result["fusion_backend"] == {"2": None}
     assert result["patches"]["sm120_pcie_backend"].startswith("not needed (no P2P")
+
+
+# --- "auto" means the plan decides, however it is spelled ----------------------------------------
+
+AUTO_SPELLINGS = [
+    # id, server args, plugin env, fusion backend the launcher resolves at TP2 / TP8
+    (
+        "--flashinfer-allreduce-fusion-backend auto",
+        {"flashinfer_allreduce_fusion_backend": "auto"},
+        {},
+        ("trtllm", None),
+    ),
+    (
+        "deprecated --enable-flashinfer-allreduce-fusion",
+        {"enable_flashinfer_allreduce_fusion": True},
+        {},
+        ("trtllm", None),
+    ),
+    (
+        "SGLANG_SM120_FUSION_BACKEND=auto",
+        {},
+        {"SGLANG_SM120_FUSION_BACKEND": "auto"},
+        ("trtllm", None),
+    ),
+    (
+        "explicit trtllm",
+        {"flashinfer_allreduce_fusion_backend": "trtllm"},
+        {},
+        ("trtllm", "trtllm"),
+    ),
+]
+
+
+def resolve_in_launcher(model_dir: Path, *tps: int, server_args: dict, env: dict) -> dict:
+    """Only the launcher: real ServerArgs resolved for each TP size on the faked PCIe host."""
+    full_env = {
+        **os.environ,
+        "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
+        "SCENARIO_SERVER_ARGS": json.dumps(server_args),
+    }
+    for name in ("SGLANG_SM120_DISABLE", "SGLANG_SM120_FUSION_BACKEND", LAUNCH_PLAN_ENV):
+        full_env.pop(name, None)
+    return _run("launcher", model_dir, tps, {**full_env, **env})[0]
+
+
+@pytest.mark.parametrize(
+    ("server_args", "env", "expected"),
+    [r[1:] for r in AUTO_SPELLINGS],
+    ids=[r[0] for r in AUTO_SPELLINGS],
+)
+def test_auto_in_any_spelling_follows_the_tp_default(model_dirs, server_args, env, expected):
+    launched = resolve_in_launcher(
+        model_dirs["KimiK25ForConditionalGeneration"], 2, 8, server_args=server_args, env=env
+    )
+    assert (launched["fusion_backend"]["2"], launched["fusion_backend"]["8"]) == expected
+    reasons = json.loads(launched["launch_plan"]["8"])["plan"]["reasons"]
+    explicit = server_args.get("flashinfer_allreduce_fusion_backend") == "trtllm"
+    assert any("requested" in r for r in reasons) == explicit, reasons
+
+
+def test_auto_flag_follows_the_tuning_table(model_dirs, tmp_path):
+    """TP8, where the default is fusion off: a table in which trtllm wins every size turns it on."""
+    from sglang_sm120.facts import load_profile
+    from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+
+    rows = [Measurement("trtllm", t, 5.0, True) for t in (4, 64)]
+    rows += [Measurement(b, t, 50.0, True) for b in ("nccl", "pcie_ipc") for t in (4, 64)]
+    fingerprint = host_fingerprint(load_profile("rtx-pro-6000-x8-pcie"), 8)
+    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
+    try:
+        save_table(TuningTable(fingerprint, 8, 7168, "bfloat16", tuple(rows)))
+    finally:
+        del os.environ["SGLANG_SM120_CACHE_DIR"]
+    launched = resolve_in_launcher(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        server_args={"flashinfer_allreduce_fusion_backend": "auto"},
+        env={"SGLANG_SM120_CACHE_DIR": str(tmp_path)},
+    )
+    assert launched["fusion_backend"]["8"] == "trtllm"
+    reasons = json.loads(launched["launch_plan"]["8"])["plan"]["reasons"]
+    assert any("fusion trtllm from the tuning table" in r for r in reasons), reasons

@@ -61,13 +61,6 @@ ROWS = [
         "pcie_ipc",
     ),
     (
-        "tp4 user asks auto",
-        PCIE8,
-        D(4, model_arch=KIMI, fusion_backend_flag="auto"),
-        "trtllm",
-        "pcie_ipc",
-    ),
-    (
         "user mnnvl refused",
         PCIE8,
         D(8, model_arch=KIMI, fusion_backend_flag="mnnvl"),
@@ -400,6 +393,65 @@ BACKEND_ROWS = [
         "pcie_ipc",
     ),
 ]
+
+
+# "auto" (--flashinfer-allreduce-fusion-backend auto, or the deprecated
+# --enable-flashinfer-allreduce-fusion, which upstream turns into auto) is no request: the plan
+# decides, the tuning table first, then the TP default. Only an explicit backend is a request.
+AUTO_ROWS = [
+    (
+        "auto flag at tp2: the TP2 default",
+        PCIE8,
+        D(2, model_arch=KIMI, fusion_backend_flag="auto"),
+        "trtllm",
+    ),
+    (
+        "auto flag at tp4: the TP4 default",
+        PCIE8,
+        D(4, model_arch=KIMI, fusion_backend_flag="auto"),
+        None,
+    ),
+    (
+        "auto flag at tp8: the TP8 default",
+        PCIE8,
+        D(8, model_arch=KIMI, fusion_backend_flag="auto"),
+        None,
+    ),
+    (
+        "auto flag with a table: the table",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, fusion_backend_flag="auto", tuning=SM120_WINS_SMALL),
+        "sm120_pcie",
+    ),
+    (
+        "auto flag, table measured wrong: the default",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, fusion_backend_flag="auto", tuning=SM120_WRONG),
+        None,
+    ),
+    (
+        "explicit trtllm skips the table",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, fusion_backend_flag="trtllm", tuning=SM120_WINS_SMALL),
+        "trtllm",
+    ),
+    (
+        "explicit trtllm at tp8",
+        PCIE8,
+        D(8, model_arch=KIMI, fusion_backend_flag="trtllm"),
+        "trtllm",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("facts", "deployment", "fusion"), [r[1:] for r in AUTO_ROWS], ids=[r[0] for r in AUTO_ROWS]
+)
+def test_auto_means_the_plan_decides(facts, deployment, fusion):
+    plan = plan_allreduce(facts, deployment, ARCHS)
+    assert plan.fusion_backend == fusion, plan.reasons
+    requested = any("requested" in r for r in plan.reasons)
+    assert requested == (deployment.fusion_backend_flag == "trtllm"), plan.reasons
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@
 |----------------------|----------------------------------------------|----------------------------|
 | status_line          | utils.common.configure_logger                | one status line / process  |
 | fusion_auto_enable   | arg_groups/overrides auto-enable pass        | plan's fusion backend      |
+| engine_launch_plan   | Engine._launch_scheduler_processes           | Engine's own plan, spawned |
+| dp_controller_launch_plan | DataParallelController.__init__         | DP controller's own plan   |
 | resolve_backend      | flashinfer_comm_fusion._resolve_backend      | trtllm resolves, no crash  |
 | fusion_applies       | add_norm._is_sm90_supported (per-call gate)  | fused points run           |
 | workspace_preflight  | trtllm workspace sizing (multicast query)    | preflight passes on PCIe   |
@@ -14,7 +16,8 @@
 | graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
 
 A patch module provides ``ROLES`` (the processes it is registered in: ``launcher``,
-``scheduler``), ``CONTRACT`` (the upstream symbols it touches), ``HOOKS`` (hook-registry rows),
+``engine``, ``dp_controller``, ``scheduler``), ``CONTRACT`` (the upstream symbols it touches),
+``HOOKS`` (hook-registry rows),
 ``not_needed(capability)`` and optionally ``COPIES`` (``from X import`` copies SGLang calls,
 which must be the patched object), ``apply_setting()`` / ``is_applied()`` (a plain setting
 instead of a hook, and the check of its effect).
@@ -22,6 +25,8 @@ instead of a hook, and the check of its effect).
 
 from sglang_sm120.patches import (
     allreduce_precedence,
+    dp_controller_launch_plan,
+    engine_launch_plan,
     fusion_applies,
     fusion_auto_enable,
     graph_stats,
@@ -36,6 +41,8 @@ from sglang_sm120.patches import (
 PATCHES = (
     status_line,
     fusion_auto_enable,
+    engine_launch_plan,
+    dp_controller_launch_plan,
     resolve_backend,
     fusion_applies,
     workspace_preflight,

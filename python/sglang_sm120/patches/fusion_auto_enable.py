@@ -4,14 +4,17 @@ Why: ``overrides._flashinfer_allreduce_fusion_auto_enable`` enables FlashInfer's
     all-reduce + residual + RMSNorm only on SM90/SM100, so SM120 never gets it; and a backend the
     user forces that SM120 cannot run is only discovered when warmup crashes.
 How: AROUND hook on the post-process pass. On SM12x hosts it returns the plan's backend:
-    ``trtllm`` at TP2 or when the user asked for trtllm/auto, ``None`` with a WARNING when the
-    user's choice is refused (mnnvl, cutedsl, no P2P, multi-node). Upstream's enforce-disable
-    pass runs after it and still wins. Other GPUs get upstream's answer. The plan is published
-    to the workers this process spawns (``runtime.plan_for_view``). The pass is run by
+    the tuning table's or the TP default (``trtllm`` at TP2) when the user asked for nothing or
+    for ``auto`` (also the deprecated ``--enable-flashinfer-allreduce-fusion``), the user's
+    explicit backend, or ``None`` with a WARNING when that is refused (mnnvl, cutedsl, no P2P,
+    multi-node). Upstream's enforce-disable pass runs after it and still wins. Other GPUs get
+    upstream's answer. The plan is published to the workers this process spawns
+    (``runtime.plan_for_view``). The pass is run by
     ``model_hook.handle_model_specific_adjustments`` through its ``from overrides import``
     copy, which the hook registry rebinds; ``COPIES`` makes the loader check that copy.
-    Registered in the launcher and in processes that import the scheduler (an ``Engine``
-    resolves its server args in-process).
+    Registered in the launcher and in Engine processes (an ``Engine`` resolves its server args
+    in-process). The pass always declares the field on SM12x hosts, so what the user asked for
+    stays readable on the record as the declarations before this one.
 Upstream: sgl-project/sglang PR #32330 (closed: asks for opt-in or TP gating at TP4/TP8).
 Removal: when upstream's auto-enable covers SM12x with TP/topology gating.
 """
@@ -32,7 +35,7 @@ TARGET = f"{MODULE}._flashinfer_allreduce_fusion_auto_enable"
 CALLER = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
 CALLER_COPY = "sglang.srt.arg_groups.model_hook._flashinfer_allreduce_fusion_auto_enable"
 FIELD = "flashinfer_allreduce_fusion_backend"
-ROLES = ("launcher", "scheduler")
+ROLES = ("launcher", "engine")
 COPIES = {TARGET: (CALLER_COPY,)}
 CONTRACT = (
     Symbol(TARGET, "function", params=("view",)),
@@ -57,14 +60,14 @@ def fusion_backend_from_plan(original, view: Any) -> dict:
     if not plan.managed:
         return declared
     requested = getattr(view, FIELD)
-    if requested is not None and plan.fusion_backend is None:
+    if requested not in (None, "auto") and plan.fusion_backend is None:  # auto: the plan decides
         log_once(
             logging.WARNING,
             f"sglang-sm120: --flashinfer-allreduce-fusion-backend {requested} "
             f"refused, using NCCL + RMSNorm: {plan.reasons[-2]}",
         )
-    if plan.fusion_backend == requested:
-        return declared
+    # Declared even when unchanged: a process handed these server args later reads what the
+    # user asked for from the declarations before this one (runtime.requested_view).
     return {**declared, FIELD: plan.fusion_backend}
 
 

@@ -21,14 +21,15 @@ from sglang_sm120.policy import Capability
 
 TARGET = "sglang.srt.utils.common.configure_logger"
 CONTRACT = (Symbol(TARGET, "function", params=("server_args", "prefix")),)
-ROLES = ("launcher", "scheduler")
+ROLES = ("launcher", "engine", "dp_controller", "scheduler")
 
 
 def not_needed(cap: Capability) -> str | None:
     return None if cap.sm12x else cap.reasons[0]  # elsewhere nothing is planned or patched
 
 
-def announce_after_logging_setup(result, *args, **kwargs) -> None:
+def announce() -> None:
+    """Check the registered patches, log the status line and what waited for logging."""
     from sglang_sm120 import plugin, runtime
 
     try:
@@ -39,6 +40,10 @@ def announce_after_logging_setup(result, *args, **kwargs) -> None:
             runtime.worker_plan()  # logs the plan this worker follows, if the launcher sent one
     except Exception:  # a report must never stop SGLang's start-up
         runtime.logger.exception("sglang-sm120: could not report the plugin's status")
+
+
+def announce_after_logging_setup(result, *args, **kwargs) -> None:
+    announce()
 
 
 HOOKS = ((TARGET, announce_after_logging_setup, HookType.AFTER),)
