@@ -67,7 +67,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "argv": sys.argv,
-        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     try:
         import torch

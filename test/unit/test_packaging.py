@@ -3,11 +3,11 @@ plugin, and the Apache-2.0 text shipped with each (the built wheels are checked 
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import sgl_kernel_sm120
 import sglang_sm120
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
