@@ -55,8 +55,10 @@ logger = logging.getLogger("sglang_sm120")
 
 PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
 DISABLE_ENV = "SGLANG_SM120_DISABLE"
-SWITCH_ON = ("1", "true", "yes", "on")
-SWITCH_OFF = ("0", "false", "no", "off")
+# A superset of upstream's EnvBool words (true/1/yes/y, false/0/no/n): a value upstream reads
+# one way never reads the other way here.
+SWITCH_ON = ("1", "true", "yes", "y", "on")
+SWITCH_OFF = ("0", "false", "no", "n", "off")
 LAUNCH_PLAN_ENV = "SGLANG_SM120_LAUNCH_PLAN"
 # SGLang starts every scheduler with this environment, and Linux refuses to start a program
 # whose environment holds a string over MAX_ARG_STRLEN (128 KiB: "Argument list too long").
@@ -172,11 +174,11 @@ def logging_configured(first: str) -> None:
         logger.log(level, message)
 
 
-def env_switch(name: str) -> bool | None:
+def env_switch(name: str, unreadable: bool | None = None) -> bool | None:
     """The boolean switch ``name``, read one way for every switch the package reads: 1, true,
-    yes, on -> True; 0, false, no, off -> False (any case, surrounding spaces ignored); unset
-    or empty -> None. Anything else is None too (the caller's default), with one warning
-    naming the variable and the value."""
+    yes, y, on -> True; 0, false, no, n, off -> False (any case, surrounding spaces ignored);
+    unset or empty -> None. Anything else is ``unreadable`` (None: the caller's default), with
+    one warning naming the variable and the value."""
     raw = os.environ.get(name)
     value = (raw or "").strip().lower()
     if value in SWITCH_ON:
@@ -184,12 +186,18 @@ def env_switch(name: str) -> bool | None:
     if value in SWITCH_OFF:
         return False
     if value:
+        taken = "ignored, default kept" if unreadable is None else f"read as {_onoff(unreadable)}"
         log_once(
             logging.WARNING,
             f"sglang-sm120: {name}={raw!r} is not a switch value "
-            f"({'/'.join(SWITCH_ON)} or {'/'.join(SWITCH_OFF)}): ignored, default kept",
+            f"({'/'.join(SWITCH_ON)} or {'/'.join(SWITCH_OFF)}): {taken}",
         )
+        return unreadable
     return None
+
+
+def _onoff(value: bool) -> str:
+    return "on" if value else "off"
 
 
 def plugin_disabled() -> bool:
@@ -231,9 +239,13 @@ def fusion_archs() -> frozenset[str]:
 
 def pcie_ipc_env() -> bool | None:
     """The user's explicit SGLANG_ENABLE_PCIE_IPC_ALLREDUCE (``env_switch``), or None when
-    unset or unreadable; the pcie_ipc_enable patch hands upstream this value, so upstream's
-    own spelling rules cannot disagree with the plan."""
-    return env_switch(PCIE_IPC_ENV)
+    unset. Set to a value that is no switch word (empty included) it is off, as upstream reads
+    such a value (its default, off, with a warning): a plan never turns it into "on". The
+    pcie_ipc_enable patch hands upstream this value, so the two cannot disagree."""
+    if PCIE_IPC_ENV not in os.environ:
+        return None
+    choice = env_switch(PCIE_IPC_ENV, unreadable=False)
+    return False if choice is None else choice
 
 
 def plugin_backend() -> str | None:

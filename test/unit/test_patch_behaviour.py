@@ -287,6 +287,27 @@ def test_pcie_ipc_is_on_behind_our_kernel_where_the_table_routes_sizes_to_it(
     assert pcie_ipc_enable.eligible_by_plan(upstream, **call) is eligible
 
 
+@pytest.mark.parametrize(
+    ("raw", "eligible"),
+    [("n", False), ("", False), ("maybe", False), ("0", False), ("y", True), ("on", True)],
+)
+def test_a_users_pcie_ipc_value_means_what_upstream_makes_of_it_or_more(
+    monkeypatch, fresh_launch_plan, raw, eligible
+):
+    """A plan that turns PCIe-IPC on must not turn a value the user set into "on": upstream
+    reads ``n`` as off and an empty or unknown value as invalid (off), and the patch hands
+    upstream its value for the TP group."""
+    from sglang.srt.distributed.device_communicators import pcie_ipc_ar
+    from sglang_sm120.patches import pcie_ipc_enable
+    from sglang_sm120.policy import AllReducePlan
+
+    publish_plan(monkeypatch, AllReducePlan(True, None, "pcie_ipc", ("test plan",)), tp=8)
+    monkeypatch.setenv("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", raw)
+    upstream = getattr(pcie_ipc_ar.eligible_group, "__wrapped__", pcie_ipc_ar.eligible_group)
+    call = dict(group_name="tp", world_size=8, deterministic=False)
+    assert pcie_ipc_enable.eligible_by_plan(upstream, **call) is eligible
+
+
 def trtllm_points(monkeypatch, routes, tp: int, sizes) -> dict[int, tuple]:
     """Fused points of ``sizes`` rows (hidden 64) under a published trtllm plan with ``routes``,
     no sgl-kernel-sm120 workspace: each answer, upstream's (x, x) where upstream was called."""

@@ -31,7 +31,9 @@ ROWS = [
     ("2", None, True),
     ("enable", None, True),
     ("false!", None, True),
-    ("y", None, True),
+    ("y", True, False),  # upstream's EnvBool words are all switch words here
+    ("N", False, False),
+    ("yess", None, True),
 ]
 
 
@@ -54,7 +56,7 @@ def test_a_switch_reads_on_off_or_the_default_with_one_warning(
     if warned:
         assert warnings == [
             f"sglang-sm120: {DISABLE}={raw!r} is not a switch value "
-            "(1/true/yes/on or 0/false/no/off): ignored, default kept"
+            "(1/true/yes/y/on or 0/false/no/n/off): ignored, default kept"
         ]
     else:
         assert warnings == []
@@ -78,7 +80,10 @@ def test_validation_mode_is_on_only_for_1(monkeypatch, caplog, raw, on, warned):
     assert ("only 1 turns validation mode on" in caplog.text) is warned
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("on", True), (" 1", True), ("no", False)])
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("on", True), (" 1", True), ("no", False), ("n", False), ("", False), ("maybe", False)],
+)
 def test_pcie_ipc_variable_reads_as_a_switch(monkeypatch, raw, expected):
     monkeypatch.setenv(runtime.PCIE_IPC_ENV, raw)
     assert runtime.pcie_ipc_env() is expected
