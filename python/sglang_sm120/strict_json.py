@@ -10,9 +10,9 @@ saying it takes bounded time and memory:
   there in between cannot block the open) and checked again on the open descriptor;
 - at most ``max_bytes`` are read, and the message names that bound;
 - duplicate keys are refused (JSON leaves them to the reader; Python keeps the last one
-  silently), and so are NaN and Infinity (not JSON) and numbers longer than
-  ``MAX_NUMBER_CHARS`` (Python's int() refuses past 4300 digits with advice about
-  ``sys.set_int_max_str_digits``).
+  silently), and so are NaN and Infinity (not JSON), numbers past a float's range (``1e400``),
+  and numbers longer than ``MAX_NUMBER_CHARS`` (Python's int() refuses past 4300 digits with
+  advice about ``sys.set_int_max_str_digits``).
 
 Example::
 
@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from typing import Any
@@ -53,11 +54,14 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _number(text: str, parse: type) -> Any:
     if len(text) > MAX_NUMBER_CHARS:
+        digits = sum(c.isdigit() for c in text)
         raise JsonInputError(
-            f"a number of {len(text.lstrip('-'))} digits ({text[:12]}...; at most "
-            f"{MAX_NUMBER_CHARS} characters)"
+            f"a number of {digits} digits ({text[:12]}...; at most {MAX_NUMBER_CHARS} characters)"
         )
-    return parse(text)
+    value = parse(text)
+    if parse is float and not math.isfinite(value):  # 1e400: infinity, which JSON cannot say
+        raise JsonInputError(f"{text} is out of range for a number")
+    return value
 
 
 def _not_json(name: str) -> Any:

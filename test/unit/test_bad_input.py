@@ -74,6 +74,13 @@ ROWS = [
         {},
         "NaN is not JSON",
     ),
+    (
+        "a number past float's range",
+        ["plan", "--topology", "{file}", "--tp", "2"],
+        json.dumps(with_gpu(memory_gib=1.0)).replace("1.0", "1e400"),
+        {},
+        "1e400 is out of range",
+    ),
     ("invalid JSON", ["plan", "--topology", "{file}", "--tp", "2"], "{not json", {}, "line 1"),
     ("not UTF-8", ["plan", "--topology", "{file}", "--tp", "2"], "\udcff", {}, "decode"),
     ("a list", ["plan", "--topology", "{file}", "--tp", "1"], [1, 2], {}, "must be a JSON object"),
