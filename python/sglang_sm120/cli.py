@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import subprocess
@@ -138,22 +139,33 @@ UPSTREAM_FLAGS = {
 }
 
 
+@functools.cache
 def upstream_choices() -> dict[str, list[str]]:
-    """The choices SGLang's own parser gives the UPSTREAM_FLAGS (built from ServerArgs; ~0.1 s
-    once planning has imported sglang's argument modules)."""
+    """The choices SGLang's own parser gives the UPSTREAM_FLAGS (built from ServerArgs once). A
+    flag SGLang renamed, or one that lost its choices, is left out: it is then not checked,
+    rather than failing every doctor and plan."""
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser(add_help=False)
     ServerArgs.add_cli_args(parser)
     actions = parser._option_string_actions  # argparse keeps no public map of its options
-    return {ours: list(actions[theirs].choices) for ours, theirs in UPSTREAM_FLAGS.items()}
+    choices = {}
+    for ours, theirs in UPSTREAM_FLAGS.items():
+        action = actions.get(theirs)
+        if action is not None and action.choices:
+            choices[ours] = [str(choice) for choice in action.choices]
+    return choices
 
 
 def _check_upstream_flags(args: argparse.Namespace) -> None:
-    """A value SGLang would refuse is not planned as if it meant something."""
-    for name, choices in upstream_choices().items():
-        value = getattr(args, name)
-        if value is not None and value not in choices:
+    """A value SGLang would refuse is not planned as if it meant something (SGLang's parser
+    is built only where such a flag was given)."""
+    given = {name: getattr(args, name) for name in UPSTREAM_FLAGS}
+    for name, value in given.items():
+        if value is None:
+            continue
+        choices = upstream_choices().get(name)
+        if choices is not None and value not in choices:
             flag = "--" + name.replace("_", "-")
             raise UsageError(
                 f"{flag} {value[:40]!r} is not one of SGLang's choices ({', '.join(choices)})"

@@ -310,6 +310,20 @@ def test_the_upstream_flags_are_checked_against_sglangs_parser():
     assert {"none", "deepep", "flashinfer"} <= set(choices["moe_a2a_backend"])
 
 
+def test_a_flag_sglang_no_longer_has_is_left_unchecked(monkeypatch):
+    """An upstream rename must not turn every doctor and plan into a traceback."""
+    from sglang_sm120 import cli
+
+    monkeypatch.setitem(cli.UPSTREAM_FLAGS, "fusion_backend", "--no-such-sglang-flag")
+    cli.upstream_choices.cache_clear()
+    try:
+        choices = cli.upstream_choices()
+    finally:
+        cli.upstream_choices.cache_clear()
+    assert "fusion_backend" not in choices
+    assert "none" in choices["moe_a2a_backend"]
+
+
 @pytest.mark.parametrize(("tp", "fusion"), [(2, "trtllm"), (8, None)])
 def test_plan_with_fusion_backend_auto_follows_the_tp_default(tp, fusion):
     plan = plan_json(

@@ -67,9 +67,9 @@ def env_int(name: str, maximum: int | None = None) -> int | None:
     except ValueError:  # also past Python's 4300 digits
         raise ValueError(f"${name}={raw[:40]!r} is not an integer") from None
     if value <= 0:
-        raise ValueError(f"${name}={raw!r} must be positive")
+        raise ValueError(f"${name}={raw[:40]!r} must be positive")
     if maximum is not None and value > maximum:
-        raise ValueError(f"${name}={raw!r} is above the bound {maximum}")
+        raise ValueError(f"${name}={raw[:40]!r} is above the bound {maximum}")
     return value
 
 
