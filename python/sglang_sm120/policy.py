@@ -526,31 +526,33 @@ def _plan_fusion(
     if d.tuning is not None:
         return FROM_TABLE, ""
     tuning_note = f"; {d.tuning_note}" if d.tuning_note else ""
+    asked_auto = "auto" in (d.fusion_backend_flag, d.plugin_backend)
+    lead = "auto (the plan decides): " if asked_auto else ""  # said where the user said auto
     hazards = host_hazards(d.host)
     if d.tp_size in FUSION_AUTO_TP_SIZES and (hazards.staged or hazards.push):
         return None, (
-            f"fusion off at TP{d.tp_size}: auto would pick trtllm, whose one-shot push the host "
-            "findings below disfavour" + tuning_note
+            f"{lead}fusion off at TP{d.tp_size}: auto would pick trtllm, whose one-shot push "
+            "the host findings below disfavour" + tuning_note
         )
     if d.tp_size in FUSION_AUTO_TP_SIZES:
         return (
             "trtllm",
-            "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)"
+            f"{lead}fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)"
             + tuning_note,
         )
     if facts.has_nvlink:
         return (
             None,
             (
-                f"fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
+                f"{lead}fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
                 "(opt in with --flashinfer-allreduce-fusion-backend trtllm)" + tuning_note
             ),
         )
     return (
         None,
         (
-            f"fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 regressed TP4 "
-            "(opt in with --flashinfer-allreduce-fusion-backend trtllm or "
+            f"{lead}fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 "
+            "regressed TP4 (opt in with --flashinfer-allreduce-fusion-backend trtllm or "
             f"{PLUGIN_BACKEND_ENV}=sm120_pcie)" + tuning_note
         ),
     )

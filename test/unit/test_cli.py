@@ -338,3 +338,6 @@ def test_plan_with_fusion_backend_auto_follows_the_tp_default(tp, fusion):
     )
     assert plan["fusion_backend"] == fusion
     assert not any("requested" in r for r in plan["reasons"]), plan["reasons"]
+    # the user who said auto is told the plan decided, not only "off by default"
+    lead = "auto (the plan decides): fusion "
+    assert any(r.startswith(lead) for r in plan["reasons"]), plan["reasons"]
