@@ -31,8 +31,6 @@ from sgl_kernel_sm120.testing import (
 
 pytestmark = [
     pytest.mark.gpu,
-    # one xdist worker runs this module: its module fixtures own the GPU
-    pytest.mark.xdist_group("test_sgl_kernel_multiprocess"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 

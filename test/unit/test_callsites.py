@@ -21,9 +21,6 @@ from child_report import parse_report
 from kernel_library import require_kernel_package
 from sglang_sm120.runtime import LAUNCH_PLAN_ENV
 
-# One xdist worker runs this module, so its module-scoped fixture is built once.
-pytestmark = pytest.mark.xdist_group("test_callsites")
-
 REHEARSAL = Path(__file__).with_name("callsite_rehearsal.py")
 HIDDEN = 7168
 SMALL = [4, HIDDEN]  # a decode-sized reduction, within the workspace

@@ -15,9 +15,6 @@ import pytest
 import torch
 from sglang_sm120 import tiny_models as tiny
 
-# One xdist worker runs this module, so its module-scoped fixture is built once.
-pytestmark = pytest.mark.xdist_group("test_fixtures")
-
 ARCHS = ("llama", "deepseek_v3")
 PROMPT = "The graph verify draft token, 42. Kernel rank norm"
 

@@ -28,9 +28,6 @@ from sglang_sm120.kernel_images import (
     scan_with_cuobjdump,
 )
 
-# One xdist worker runs this module, so its module-scoped fixture is built once.
-pytestmark = pytest.mark.xdist_group("test_kernel_images")
-
 
 def _find_nvcc() -> list[str] | None:
     """nvcc as the kernel build finds it (CUDACXX, PATH, /usr/local/cuda), plus the library
