@@ -477,6 +477,16 @@ def plan_for_spawn(server_args: Any) -> AllReducePlan:
     return _publish(deployment, plan, published)
 
 
+def publish_for_schedulers(server_args: Any) -> None:
+    """What a process's patch calls right before it spawns schedulers (``plan_for_spawn``);
+    a failure to plan publishes nothing, logged, and never stops SGLang's start-up."""
+    try:
+        plan_for_spawn(server_args)
+    except Exception:
+        logger.exception("sglang-sm120: could not plan for the schedulers; none published")
+        withdraw_launch_plan()
+
+
 @functools.cache
 def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
     raw = os.environ.get(LAUNCH_PLAN_ENV)

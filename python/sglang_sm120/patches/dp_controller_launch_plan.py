@@ -3,9 +3,9 @@
 Why: with ``--dp`` the launcher spawns the DP controller, which spawns every TP group's
     schedulers; they inherit its environment, and a ``SGLANG_SM120_LAUNCH_PLAN`` it inherited
     itself need not be its launch's. SGLang has no hook for "about to spawn schedulers".
-How: BEFORE hook on ``DataParallelController.__init__``, which spawns them: plan afresh from the
-    server args it was handed (``runtime.plan_for_spawn``: what the user asked for is kept on
-    the resolved record) and publish it.
+How: BEFORE hook on ``DataParallelController.__init__``, which spawns them: plan afresh from
+    the server args it was handed and publish it (``runtime.publish_for_schedulers``: what the
+    user asked for is kept on the resolved record).
 Upstream: none; upstream has no plugin hook around spawning schedulers.
 Removal: when SGLang hands plugins per-launch state for its child processes.
 """
@@ -42,11 +42,7 @@ def not_needed(cap: Capability) -> str | None:
 
 
 def plan_before_spawning_schedulers(self, server_args, *args, **kwargs) -> None:
-    try:
-        runtime.plan_for_spawn(server_args)
-    except Exception:  # planning must never stop SGLang's start-up
-        runtime.logger.exception("sglang-sm120: could not plan for the schedulers; none published")
-        runtime.withdraw_launch_plan()
+    runtime.publish_for_schedulers(server_args)
 
 
 HOOKS = ((TARGET, plan_before_spawning_schedulers, HookType.BEFORE),)

@@ -6,8 +6,9 @@ Why: SGLang has no hook for "about to spawn schedulers", and a scheduler inherit
     it inherited from another launch. ``http_server.launch_server`` loads plugins only after it
     resolved the server args, so no plan is made while resolving there.
 How: BEFORE hook on ``Engine._launch_scheduler_processes`` (also where the DP controller is
-    spawned): plan afresh from the server args the schedulers get (``runtime.plan_for_spawn``)
-    and publish it, or publish nothing when those server args were resolved without the plugin.
+    spawned): plan afresh from the server args the schedulers get and publish it, or publish
+    nothing when those server args were resolved without the plugin
+    (``runtime.publish_for_schedulers``).
     Where plugins loaded after SGLang configured logging, the status line is logged here.
 Upstream: none; upstream has no plugin hook around spawning schedulers.
 Removal: when SGLang hands plugins per-launch state for its child processes.
@@ -42,11 +43,7 @@ def not_needed(cap: Capability) -> str | None:
 def plan_before_spawning_schedulers(cls, server_args, *args, **kwargs) -> None:
     if not runtime.logging_ready():
         status_line.announce()  # plugins loaded after SGLang configured this process's logging
-    try:
-        runtime.plan_for_spawn(server_args)
-    except Exception:  # planning must never stop SGLang's start-up
-        runtime.logger.exception("sglang-sm120: could not plan for the schedulers; none published")
-        runtime.withdraw_launch_plan()
+    runtime.publish_for_schedulers(server_args)
 
 
 HOOKS = ((TARGET, plan_before_spawning_schedulers, HookType.BEFORE),)
