@@ -525,36 +525,35 @@ def _plan_fusion(
         return "trtllm", f"fusion trtllm: requested with {how} {requested}"
     if d.tuning is not None:
         return FROM_TABLE, ""
-    tuning_note = f"; {d.tuning_note}" if d.tuning_note else ""
     asked_auto = "auto" in (d.fusion_backend_flag, d.plugin_backend)
     lead = "auto (the plan decides): " if asked_auto else ""  # said where the user said auto
+    tuning_note = f"; {d.tuning_note}" if d.tuning_note else ""
+    fusion, reason = _default_fusion(facts, d)
+    return fusion, lead + reason + tuning_note
+
+
+def _default_fusion(facts: HostFacts, d: Deployment) -> tuple[str | None, str]:
+    """(fusion backend, reason) where nobody asked for one and no tuning table decides."""
     hazards = host_hazards(d.host)
     if d.tp_size in FUSION_AUTO_TP_SIZES and (hazards.staged or hazards.push):
         return None, (
-            f"{lead}fusion off at TP{d.tp_size}: auto would pick trtllm, whose one-shot push "
-            "the host findings below disfavour" + tuning_note
+            f"fusion off at TP{d.tp_size}: auto would pick trtllm, whose one-shot push the host "
+            "findings below disfavour"
         )
     if d.tp_size in FUSION_AUTO_TP_SIZES:
         return (
             "trtllm",
-            f"{lead}fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)"
-            + tuning_note,
+            "fusion trtllm: auto at TP2 (FlashInfer PR #3903 measured +2-5% decode on SM120)",
         )
     if facts.has_nvlink:
-        return (
-            None,
-            (
-                f"{lead}fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
-                "(opt in with --flashinfer-allreduce-fusion-backend trtllm)" + tuning_note
-            ),
+        return None, (
+            f"fusion off by default at TP{d.tp_size}: not measured on SM12x with NVLink "
+            "(opt in with --flashinfer-allreduce-fusion-backend trtllm)"
         )
-    return (
-        None,
-        (
-            f"{lead}fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 "
-            "regressed TP4 (opt in with --flashinfer-allreduce-fusion-backend trtllm or "
-            f"{PLUGIN_BACKEND_ENV}=sm120_pcie)" + tuning_note
-        ),
+    return None, (
+        f"fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 regressed TP4 "
+        "(opt in with --flashinfer-allreduce-fusion-backend trtllm or "
+        f"{PLUGIN_BACKEND_ENV}=sm120_pcie)"
     )
 
 

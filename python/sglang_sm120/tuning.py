@@ -133,17 +133,21 @@ def _why(exc: OSError, directory: Path) -> str:
     return exc.strerror or str(exc)
 
 
+def _list_cache(directory: Path) -> tuple[list[str] | None, str | None]:
+    """(the names in the cache directory, or None where it does not exist yet: tune creates
+    it; why it cannot be listed, or None)."""
+    try:
+        return os.listdir(directory), None
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{_cache_name(directory)} unreadable ({_why(exc, directory)})"
+
+
 def cache_read_problem() -> str | None:
     """Why the cache directory cannot be listed (a file, below a file, no permission, a name
     the file system refuses), or None: it lists, or does not exist yet (tune creates it)."""
-    directory = cache_dir()
-    try:
-        os.listdir(directory)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"{_cache_name(directory)} unreadable ({_why(exc, directory)})"
-    return None
+    return _list_cache(cache_dir())[1]
 
 
 def cache_write_problem() -> str | None:
@@ -180,13 +184,9 @@ def load_table(
     fingerprint = host_fingerprint(facts, tp, gpu_ids)
     path = table_path(fingerprint, tp, hidden, dtype)
     directory = path.parent
-    try:
-        names: list[str] | None = os.listdir(directory)
-    except FileNotFoundError:
-        names = None  # not created yet: tune creates it
-    except OSError as exc:
-        why = _why(exc, directory)
-        return None, f"no tuning table: {_cache_name(directory)} unreadable ({why})"
+    names, unreadable = _list_cache(directory)
+    if unreadable:
+        return None, f"no tuning table: {unreadable}"
     if names is None or path.name not in names:
         others = fnmatch.filter(names or [], f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json")
         if others:

@@ -34,19 +34,10 @@ REHEARSAL_DIR = os.environ["REHEARSAL_DIR"]
 def fake_sm120() -> None:
     """Upstream's facts for an SM120 host, in every process of the rehearsal (a spawned
     process re-imports this module as ``__mp_main__``)."""
+    from plugin_scenario import platform_facts
     from sglang.srt.runtime_context import override_platform
 
-    override_platform(
-        is_cuda=True,
-        is_hip=False,
-        has_flashinfer=True,
-        device_capability=(12, 0),
-        device_sm=120,
-        is_sm90=False,
-        is_sm100=False,
-        is_sm120=True,
-        is_blackwell=True,
-    ).install()
+    override_platform(**platform_facts((12, 0))).install()
 
 
 if os.environ.get("REHEARSAL_SM120") == "1":
