@@ -17,7 +17,7 @@ and NCCL + norm (the issue-9 goals: <= 1.0x and <= 0.9x at 1-16 tokens), and
 ours AR+norm / ours fused (>= 1.0x: the fusion never loses).
 Each cell is microseconds per call: every rank captures --calls identical calls in one CUDA
 graph, the graphs are replayed --replays times, and a cell is the median over replays of the
-per-call time of the rank that started last (see `sglang_sm120.tune.per_call_us`).
+per-call time of the rank that started last (see `sglang_sm120.commands.tune.per_call_us`).
 
 Ranks run as one process per GPU when the machine has >= world_size GPUs. Otherwise they run
 as streams of one process sharing one GPU: then the numbers are the kernels' own overhead
@@ -58,14 +58,14 @@ from sgl_kernel_sm120.testing import LocalRanks
 
 if importlib.util.find_spec("sglang_sm120") is None:  # plugin not installed: use the sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from sglang_sm120.tune import TOKENS as TUNE_TOKENS
-from sglang_sm120.tune import (
+from sglang_sm120.commands.tune import TOKENS as TUNE_TOKENS
+from sglang_sm120.commands.tune import (
     flashinfer_pcie_ipc,
     flashinfer_trtllm_fused,
     make_add_rmsnorm,
     time_local,
 )
-from sglang_sm120.tune import time_graph as time_graph_in_step
+from sglang_sm120.commands.tune import time_graph as time_graph_in_step
 
 TOKENS = list(TUNE_TOKENS)
 EPS = 1e-6

@@ -75,7 +75,7 @@ def main() -> None:
         return
     if {"fi_trtllm", "fi_pcie"} & set(args.ops):
         import flashinfer.comm as fic
-        from sglang_sm120.tune import flashinfer_trtllm_fused
+        from sglang_sm120.commands.tune import flashinfer_trtllm_fused
 
         trtllm = flashinfer_trtllm_fused(rank, world, tokens, hidden, torch.bfloat16)
         pws = fic.PcieIpcAllReduceWorkspace(group=dist.group.WORLD, max_numel=tokens * hidden)

@@ -56,7 +56,7 @@ def package_missing_in_children() -> str | None:
     probe = (
         "import json\n"
         "try:\n"
-        "    from sglang_sm120.facts import sm120_kernel_problem\n"
+        "    from sglang_sm120.machine.facts import sm120_kernel_problem\n"
         "except ImportError as exc:\n"
         "    print(json.dumps(f'sglang-sm120 is not importable ({exc})'))\n"
         "else:\n"

@@ -1,4 +1,5 @@
-"""Fixtures of the e2e suite; the harness itself is ``sglang_sm120.e2e`` (see its docstring)."""
+"""Fixtures of the e2e suite; the harness itself is ``sglang_sm120.commands.e2e`` (see its
+docstring)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 # Test modules import their helpers (processes.py) by name, whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sglang_sm120.e2e import ServerRuns, missing_prerequisite
+from sglang_sm120.commands.e2e import ServerRuns, missing_prerequisite
 
 # ---------------------------------------------------------------- fixtures
 
@@ -28,7 +29,7 @@ def e2e_ready() -> None:
 @pytest.fixture(scope="session")
 def tiny_pairs(e2e_ready, tmp_path_factory) -> dict[str, Any]:
     """The tiny fixture models (generated once per session, a few seconds on CPU)."""
-    from sglang_sm120.tiny_models import build_all
+    from sglang_sm120.commands.tiny_models import build_all
 
     root = os.environ.get("SGLANG_SM120_FIXTURE_DIR")
     out = Path(root) if root else tmp_path_factory.mktemp("tiny-models")

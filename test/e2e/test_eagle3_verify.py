@@ -15,8 +15,8 @@ With a real pair given by ``SGLANG_SM120_E2E_TARGET`` / ``SGLANG_SM120_E2E_DRAFT
 length must reach the threshold recorded for that pair (``KNOWN_PAIRS`` in the harness), and
 greedy equality must hold.
 
-The harness and its environment knobs: ``sglang_sm120.e2e`` (``sglang-sm120 selftest`` runs the
-same checks on one configuration).
+The harness and its environment knobs: ``sglang_sm120.commands.e2e`` (``sglang-sm120
+selftest`` runs the same checks on one configuration).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_sm120 import tiny_models
-from sglang_sm120.e2e import (
+from sglang_sm120.commands import tiny_models
+from sglang_sm120.commands.e2e import (
     BACKENDS,
     REAL_MAX_NEW_TOKENS,
     SMALL_TREE,
@@ -50,7 +50,7 @@ from sglang_sm120.e2e import (
     plan_for,
     refused_backend,
 )
-from sglang_sm120.selftest import (
+from sglang_sm120.commands.selftest import (
     Check,
     designed_tokens_check,
     graph_checks,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from processes import gone
-from sglang_sm120 import e2e as h
+from sglang_sm120.commands import e2e as h
 
 
 def _write_stats(folder: Path, pid: int, tp_rank: int | None, replays: int, **extra) -> None:

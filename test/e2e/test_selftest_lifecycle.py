@@ -26,8 +26,8 @@ HIDDEN = 512
 # Run by the test in a fresh interpreter: the real selftest, with what a CPU lacks swapped in.
 DRIVER = """
 import os, sys
-from sglang_sm120 import cli, e2e, selftest
-from sglang_sm120.facts import GpuInfo, HostFacts
+from sglang_sm120.commands import cli, e2e, selftest
+from sglang_sm120.machine.facts import GpuInfo, HostFacts
 
 gpus = tuple(GpuInfo(i, "NVIDIA RTX PRO 6000 Blackwell", (12, 0)) for i in range({tp}))
 selftest.visible_gpus = lambda: HostFacts("test", gpus=gpus)

@@ -48,9 +48,9 @@ def sm120_pcie_plan(world_size: int):
     up to 8 tokens and NCCL above: the stack routes each point as the server would."""
     import dataclasses
 
-    from sglang_sm120.facts import load_profile
-    from sglang_sm120.policy import Deployment, plan_allreduce
-    from sglang_sm120.tuning import Measurement, TuningTable
+    from sglang_sm120.machine.facts import load_profile
+    from sglang_sm120.planning.policy import Deployment, plan_allreduce
+    from sglang_sm120.planning.tuning import Measurement, TuningTable
 
     facts = load_profile("rtx-pro-6000-x8-pcie")
     facts = dataclasses.replace(facts, versions={**facts.versions, "sgl-kernel-sm120": "local"})
@@ -75,7 +75,7 @@ def sm120_pcie_plan(world_size: int):
 def test_captured_stack_matches_allreduce_plus_norm(world_size, tokens):
     sk = pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not importable")
     from sgl_kernel_sm120.testing import TOLERANCES, LocalRanks, max_violation, reference_fused
-    from sglang_sm120.tune import make_add_rmsnorm
+    from sglang_sm120.commands.tune import make_add_rmsnorm
 
     plan = sm120_pcie_plan(world_size)
     assert plan.fusion_backend == "sm120_pcie" and plan.plain_allreduce == "sm120_pcie"

@@ -18,9 +18,9 @@ pytestmark = [
 def test_tune_writes_a_checked_table(tp, tmp_path, monkeypatch):
     pytest.importorskip("sgl_kernel_sm120", reason="sgl-kernel-sm120 is not importable")
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
-    from sglang_sm120.facts import current_facts
-    from sglang_sm120.tune import TuneSettings, format_table, run_tune
-    from sglang_sm120.tuning import load_table, winners
+    from sglang_sm120.commands.tune import TuneSettings, format_table, run_tune
+    from sglang_sm120.machine.facts import current_facts
+    from sglang_sm120.planning.tuning import load_table, winners
 
     settings = TuneSettings(tp=tp, hidden=2048, tokens=(1, 8, 64, 512), calls=5, replays=3)
     table, path = run_tune(settings)

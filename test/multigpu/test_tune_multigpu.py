@@ -19,9 +19,9 @@ def test_every_backend_is_correct_over_the_interconnect(tp, tmp_path, monkeypatc
     if GPUS < tp:
         pytest.skip(f"needs {tp} GPUs, {GPUS} visible")
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
-    from sglang_sm120.facts import current_facts
-    from sglang_sm120.tune import TuneSettings, format_table, run_tune
-    from sglang_sm120.tuning import load_table
+    from sglang_sm120.commands.tune import TuneSettings, format_table, run_tune
+    from sglang_sm120.machine.facts import current_facts
+    from sglang_sm120.planning.tuning import load_table
 
     table, _ = run_tune(TuneSettings(tp=tp, tokens=(1, 4, 16, 64, 256), calls=5, replays=3))
     print(format_table(table))

@@ -55,7 +55,7 @@ def launcher(model_dir: str, out_dir: str) -> dict:
 
     with override_platform(**platform_facts(capability())):
         load_plugins()
-        from sglang_sm120.runtime import LAUNCH_PLAN_ENV
+        from sglang_sm120.server.runtime import LAUNCH_PLAN_ENV
 
         result = {}
         for variant, env in VARIANTS.items():
@@ -177,7 +177,7 @@ def fused_where_the_table_chose_unfused(norm) -> dict:
     from dataclasses import replace
 
     from sglang.srt.distributed import parallel_state
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     saved = dict(sm120_pcie_backend._workspaces)
     routes = ((2, "sm120_pcie"), (64, "sm120_pcie_unfused"))
@@ -199,8 +199,8 @@ def fused_where_the_table_routed_off_trtllm(norm) -> dict:
     """Fused points of 4 rows after attention and after the MoE, with this process's trtllm plan
     following a tuning table in which PCIe-IPC + a separate norm won from 3 to 64 rows (as the
     launcher would publish it)."""
-    from sglang_sm120 import runtime
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server import runtime
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     def republish(value: str) -> None:
         os.environ[runtime.LAUNCH_PLAN_ENV] = value
@@ -378,7 +378,7 @@ def capture_with_fused_points(norm, rows: list[int]) -> dict:
 
 def fcf_rows_over_workspace() -> int:
     """Rows of HIDDEN bf16 one past our workspace's capacity (0 without a workspace)."""
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     spaces = sm120_pcie_backend.workspaces()
     return spaces[0].max_bytes // (HIDDEN * 2) + 1 if spaces else 4096
@@ -398,9 +398,9 @@ def worker(out_dir: str, variant: str, rank: int, port: int) -> dict:
     from sglang.srt.layers import flashinfer_comm_fusion
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.utils.common import configure_logger
-    from sglang_sm120.patches import graph_stats, sm120_pcie_backend
-    from sglang_sm120.plugin import applied_hooks
-    from sglang_sm120.runtime import PATCH_STATUS
+    from sglang_sm120.server.patches import graph_stats, sm120_pcie_backend
+    from sglang_sm120.server.runtime import PATCH_STATUS
+    from sglang_sm120.server.status import applied_hooks
 
     # sm120_pcie_behind: the sm120_pcie launch, whose tuning table sent its smallest sizes to
     # PCIe-IPC (the test publishes that plan).

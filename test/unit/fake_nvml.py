@@ -1,4 +1,5 @@
-"""A fake of the NVML hardware: the pynvml functions ``sglang_sm120.host`` calls, answering from
+"""A fake of the NVML hardware: the pynvml functions ``sglang_sm120.machine.host_checks``
+calls, answering from
 a host fixture's ``nvml.json`` (``test/fixtures/hosts/<case>/``, written by its ``build.py``).
 
 ``missing``: functions this nvidia-ml-py "lacks" (an older release); ``failing``: functions that

@@ -40,7 +40,7 @@ def platform_facts(capability: tuple[int, int]) -> dict:
 
 
 def capability() -> tuple[int, int]:
-    from sglang_sm120.facts import current_facts
+    from sglang_sm120.machine.facts import current_facts
 
     facts = current_facts()
     return facts.gpus[0].capability if facts.gpus else (0, 0)
@@ -62,7 +62,7 @@ def launcher(model_dir: str, tps: list[int]) -> dict:
     with override_platform(**platform_facts(capability())):
         load_plugins()
         from sglang.srt.utils.common import configure_logger
-        from sglang_sm120.runtime import LAUNCH_PLAN_ENV, PATCH_STATUS
+        from sglang_sm120.server.runtime import LAUNCH_PLAN_ENV, PATCH_STATUS
 
         result: dict = {"fusion_backend": {}, "launch_plan": {}}
         for tp in tps:
@@ -80,7 +80,7 @@ def launcher(model_dir: str, tps: list[int]) -> dict:
 
 
 def applied_chain(target: str) -> list[str]:
-    from sglang_sm120.plugin import applied_hooks
+    from sglang_sm120.server.status import applied_hooks
 
     return [hook.__name__ for hook in applied_hooks(target)]
 
@@ -97,8 +97,8 @@ def worker(model_dir: str, tp: int) -> dict:
         from sglang.srt.layers import flashinfer_comm_fusion
         from sglang.srt.layers.layer_boundary.residual import add_norm
         from sglang.srt.utils.common import configure_logger
-        from sglang_sm120.patches import PATCHES
-        from sglang_sm120.runtime import PATCH_STATUS, worker_plan
+        from sglang_sm120.server.patches import PATCHES
+        from sglang_sm120.server.runtime import PATCH_STATUS, worker_plan
 
         configure_logger(server_args(model_dir, tp), prefix=" TP0")
         # An import-time hardware fact the CPU box cannot fake through override_platform

@@ -438,7 +438,7 @@ def test_doctor_where_sglang_is_not_importable(tmp_path):
     """An interpreter without site-packages (``-S``) that sees only a copy of the plugin."""
     shutil.copytree(Path(sglang_sm120.__file__).parent, tmp_path / "sglang_sm120")
     proc = subprocess.run(
-        [sys.executable, "-S", "-m", "sglang_sm120.cli", "doctor"],
+        [sys.executable, "-S", "-m", "sglang_sm120.commands.cli", "doctor"],
         capture_output=True,
         text=True,
         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
@@ -454,7 +454,7 @@ def test_a_bad_topology_variable_in_a_server_process_is_one_error_and_no_patch()
         "logging.basicConfig(stream=sys.stderr, format='%(levelname)s %(message)s')\n"
         "from sglang.srt.plugins import load_plugins\n"
         "load_plugins()\n"
-        "from sglang_sm120.runtime import PATCH_STATUS\n"
+        "from sglang_sm120.server.runtime import PATCH_STATUS\n"
         "import json; print(json.dumps(sorted(set(PATCH_STATUS.values()))))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}

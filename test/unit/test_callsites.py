@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from child_report import parse_report
 from kernel_library import require_kernel_package
-from sglang_sm120.runtime import LAUNCH_PLAN_ENV
+from sglang_sm120.server.runtime import LAUNCH_PLAN_ENV
 
 REHEARSAL = Path(__file__).with_name("callsite_rehearsal.py")
 HIDDEN = 7168

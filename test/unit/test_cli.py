@@ -86,7 +86,7 @@ def _installed(name: str) -> str:
 
 
 def test_profiles_lists_each_profile_with_its_description():
-    from sglang_sm120.facts import profile_names
+    from sglang_sm120.machine.facts import profile_names
 
     proc = run_cli("profiles")
     assert proc.returncode == 0, proc.stderr
@@ -194,8 +194,9 @@ def test_warmup_dry_run_lists_its_steps_and_builds_nothing():
 
 
 def test_doctor_shows_the_tuning_table_in_use_and_its_routes(tmp_path, monkeypatch):
-    from sglang_sm120.facts import load_profile
-    from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+    from sglang_sm120.machine.cache import host_fingerprint
+    from sglang_sm120.machine.facts import load_profile
+    from sglang_sm120.planning.tuning import Measurement, TuningTable, save_table
 
     require_kernel_package()  # the routes use sm120_pcie, which needs the kernel
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
@@ -294,7 +295,7 @@ def test_the_dtypes_doctor_and_plan_take_are_sglangs_own_but_auto():
     import argparse
 
     from sglang.srt.server_args import ServerArgs
-    from sglang_sm120.cli import DTYPES
+    from sglang_sm120.commands.args import DTYPES
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -303,7 +304,7 @@ def test_the_dtypes_doctor_and_plan_take_are_sglangs_own_but_auto():
 
 
 def test_the_upstream_flags_are_checked_against_sglangs_parser():
-    from sglang_sm120.cli import upstream_choices
+    from sglang_sm120.commands.args import upstream_choices
 
     choices = upstream_choices()
     assert choices["fusion_backend"] == ["auto", "trtllm", "mnnvl", "cutedsl"]
@@ -312,14 +313,14 @@ def test_the_upstream_flags_are_checked_against_sglangs_parser():
 
 def test_a_flag_sglang_no_longer_has_is_left_unchecked(monkeypatch):
     """An upstream rename must not turn every doctor and plan into a traceback."""
-    from sglang_sm120 import cli
+    from sglang_sm120.commands import args
 
-    monkeypatch.setitem(cli.UPSTREAM_FLAGS, "fusion_backend", "--no-such-sglang-flag")
-    cli.upstream_choices.cache_clear()
+    monkeypatch.setitem(args.UPSTREAM_FLAGS, "fusion_backend", "--no-such-sglang-flag")
+    args.upstream_choices.cache_clear()
     try:
-        choices = cli.upstream_choices()
+        choices = args.upstream_choices()
     finally:
-        cli.upstream_choices.cache_clear()
+        args.upstream_choices.cache_clear()
     assert "fusion_backend" not in choices
     assert "none" in choices["moe_a2a_backend"]
 

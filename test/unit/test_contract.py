@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from sglang_sm120 import plugin
-from sglang_sm120.contract import Symbol, check, mismatch
-from sglang_sm120.patches import PATCHES, patch_name
-from sglang_sm120.runtime import PATCH_STATUS
+from sglang_sm120.server import plugin
+from sglang_sm120.server.contract import Symbol, check, mismatch
+from sglang_sm120.server.patches import PATCHES, patch_name
+from sglang_sm120.server.runtime import PATCH_STATUS
 
 FULL_CONTRACT = plugin.declared_contract(PATCHES)
 
@@ -70,7 +70,8 @@ def test_constant_no_longer_read_is_named():
 @pytest.fixture
 def pcie_host(monkeypatch):
     """Our facts say 8x SM120 PCIe; restore the cached capability and statuses afterwards."""
-    from sglang_sm120 import facts, runtime
+    from sglang_sm120.machine import facts
+    from sglang_sm120.server import runtime
 
     monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
     monkeypatch.delenv("SGLANG_SM120_DISABLE", raising=False)
@@ -85,7 +86,7 @@ def pcie_host(monkeypatch):
 def test_renamed_upstream_symbol_applies_nothing_and_logs_one_error(pcie_host, monkeypatch, caplog):
     """Simulate an upstream rename on the real module: the seam disappears."""
     from sglang.srt.layers import flashinfer_comm_fusion
-    from sglang_sm120.patches import workspace_preflight
+    from sglang_sm120.server.patches import workspace_preflight
 
     monkeypatch.delattr(flashinfer_comm_fusion, "_flashinfer_trtllm_workspace_allocation_sizes")
     with caplog.at_level(logging.ERROR, logger="sglang_sm120"):

@@ -122,7 +122,7 @@ def helps(parser: argparse.ArgumentParser, command: str) -> Iterator[tuple[str, 
 
 
 def cli_helps() -> dict[str, str | None]:
-    from sglang_sm120.cli import build_parser
+    from sglang_sm120.commands.cli import build_parser
 
     return dict(helps(build_parser(), "sglang-sm120"))
 

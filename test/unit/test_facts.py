@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sglang_sm120.facts import (
+from sglang_sm120.machine.facts import (
     facts_from_json,
     load_profile,
     load_topology,
@@ -56,7 +56,7 @@ def test_probe_never_raises_and_round_trips_to_json():
 
 
 def test_every_embedded_profile_follows_the_schema_and_describes_itself():
-    from sglang_sm120.facts import profile_descriptions
+    from sglang_sm120.machine.facts import profile_descriptions
 
     for name, description in profile_descriptions().items():
         assert load_profile(name).gpus and description, name
@@ -65,7 +65,7 @@ def test_every_embedded_profile_follows_the_schema_and_describes_itself():
 def test_docs_topology_page_documents_every_topology_key():
     from pathlib import Path
 
-    from sglang_sm120.topology import GPU_KEYS, TOPOLOGY_KEYS
+    from sglang_sm120.machine.topology import GPU_KEYS, TOPOLOGY_KEYS
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "topology.md").read_text()
     section = page.split("## Keys", 1)[1].split("\n## ", 1)[0]

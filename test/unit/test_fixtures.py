@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_sm120 import tiny_models as tiny
+from sglang_sm120.commands import tiny_models as tiny
 
 ARCHS = ("llama", "deepseek_v3")
 PROMPT = "The graph verify draft token, 42. Kernel rank norm"

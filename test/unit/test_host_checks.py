@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from fake_nvml import FIXTURES, FakeNvml
-from sglang_sm120.host import (
+from sglang_sm120.machine.host_checks import (
     CHECK_NAMES,
     SYSFS_ROOT_ENV,
     P2PSummary,

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from sglang_sm120.kernel_images import (
+from sglang_sm120.machine.kernel_images import (
     KernelImage,
     ServerLibrary,
     check_coverage,

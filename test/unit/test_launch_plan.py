@@ -10,9 +10,11 @@ import json
 import logging
 
 import pytest
-from sglang_sm120 import facts, runtime
-from sglang_sm120.policy import AllReducePlan, Capability, Deployment
-from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint
+from sglang_sm120.machine import facts
+from sglang_sm120.machine.cache import host_fingerprint
+from sglang_sm120.planning.policy import AllReducePlan, Capability, Deployment
+from sglang_sm120.planning.tuning import Measurement, TuningTable
+from sglang_sm120.server import runtime
 
 PROFILE = "rtx-pro-6000-x8-pcie"
 DEEPSEEK = "DeepseekV3ForCausalLM"

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 from kernel_library import require_kernel_package
-from sglang_sm120.facts import load_profile
-from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+from sglang_sm120.machine.cache import host_fingerprint
+from sglang_sm120.machine.facts import load_profile
+from sglang_sm120.planning.tuning import Measurement, TuningTable, save_table
 
 PROFILE = "rtx-pro-6000-x8-pcie"
 STATUS = re.compile(r"^\[[^\]]*?( TP\d+)?\] sglang-sm120 0\.5\.23\.1 \((launcher|TP worker)\): ")

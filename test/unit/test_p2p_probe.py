@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from sglang_sm120.facts import load_profile
-from sglang_sm120.p2p_probe import (
+from sglang_sm120.machine.cache import host_fingerprint
+from sglang_sm120.machine.facts import load_profile
+from sglang_sm120.machine.p2p_probe import (
     ConcurrentTiming,
     PairTiming,
     format_probe,
@@ -22,7 +23,6 @@ from sglang_sm120.p2p_probe import (
     staged_rounds,
     summarize,
 )
-from sglang_sm120.tuning import host_fingerprint
 
 PCIE8 = load_profile("rtx-pro-6000-x8-pcie")
 MIB4 = 4 << 20

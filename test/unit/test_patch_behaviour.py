@@ -32,7 +32,7 @@ def test_preflight_sizing_without_multicast_uses_unicast_sizes():
     from sglang.srt.layers.flashinfer_comm_fusion import (
         _flashinfer_trtllm_workspace_allocation_sizes as upstream_sizes,
     )
-    from sglang_sm120.patches.workspace_preflight import UnicastDriver
+    from sglang_sm120.server.patches.workspace_preflight import UnicastDriver
 
     prop = SimpleNamespace(requestedHandleTypes=1)
     args = (prop, 8, 2048, 7168, torch.bfloat16)
@@ -45,7 +45,7 @@ def test_preflight_sizing_without_multicast_uses_unicast_sizes():
 
 
 def test_graph_stats_file_reports_counts_per_mode(tmp_path):
-    from sglang_sm120.patches.graph_stats import GraphStats
+    from sglang_sm120.server.patches.graph_stats import GraphStats
 
     stats = GraphStats(tmp_path)
     stats.bump(stats.captures, "TARGET_VERIFY")
@@ -62,7 +62,8 @@ def test_graph_stats_file_reports_counts_per_mode(tmp_path):
 @pytest.fixture
 def pcie_worker(monkeypatch):
     """A worker whose facts are the 8x SM120 PCIe profile and which got no launcher plan."""
-    from sglang_sm120 import facts, runtime
+    from sglang_sm120.machine import facts
+    from sglang_sm120.server import runtime
 
     monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
     monkeypatch.delenv(runtime.LAUNCH_PLAN_ENV, raising=False)
@@ -79,7 +80,7 @@ def test_preflight_hook_sizes_with_the_unicast_driver(pcie_worker):
     from sglang.srt.layers.flashinfer_comm_fusion import (
         _flashinfer_trtllm_workspace_allocation_sizes as upstream_sizes,
     )
-    from sglang_sm120.patches.workspace_preflight import size_without_multicast
+    from sglang_sm120.server.patches.workspace_preflight import size_without_multicast
 
     prop = SimpleNamespace(requestedHandleTypes=1)
     driver = fake_cuda_driver(multicast_works=False)
@@ -97,8 +98,9 @@ def test_preflight_hook_leaves_other_hosts_to_upstream(monkeypatch):
     from sglang.srt.layers.flashinfer_comm_fusion import (
         _flashinfer_trtllm_workspace_allocation_sizes as upstream_sizes,
     )
-    from sglang_sm120 import facts, runtime
-    from sglang_sm120.patches.workspace_preflight import size_without_multicast
+    from sglang_sm120.machine import facts
+    from sglang_sm120.server import runtime
+    from sglang_sm120.server.patches.workspace_preflight import size_without_multicast
 
     monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "h200-x8-nvlink")
     monkeypatch.delenv(runtime.LAUNCH_PLAN_ENV, raising=False)
@@ -115,7 +117,7 @@ def test_preflight_hook_leaves_other_hosts_to_upstream(monkeypatch):
 
 @pytest.fixture
 def stats(tmp_path, monkeypatch):
-    from sglang_sm120.patches import graph_stats
+    from sglang_sm120.server.patches import graph_stats
 
     recorder = graph_stats.GraphStats(tmp_path)
     monkeypatch.setattr(graph_stats, "_stats", recorder)
@@ -123,7 +125,7 @@ def stats(tmp_path, monkeypatch):
 
 
 def test_fused_calls_that_fell_back_are_not_counted(stats):
-    from sglang_sm120.patches.graph_stats import count_fused_in_capture
+    from sglang_sm120.server.patches.graph_stats import count_fused_in_capture
 
     stats.capturing_mode = "TARGET_VERIFY"
     fused = torch.zeros(4, 8), torch.zeros(4, 8)
@@ -135,7 +137,7 @@ def test_fused_calls_that_fell_back_are_not_counted(stats):
 
 
 def test_peer_error_is_written_to_the_stats_file_at_once(stats, tmp_path):
-    from sglang_sm120.patches.graph_stats import note_peer_error
+    from sglang_sm120.server.patches.graph_stats import note_peer_error
 
     note_peer_error("rank 1/2: timed out after 60000 ms waiting for rank 0")
     data = json.loads(next(tmp_path.glob("sm120-stats-*.json")).read_text())
@@ -143,8 +145,8 @@ def test_peer_error_is_written_to_the_stats_file_at_once(stats, tmp_path):
 
 
 def sm120_group(routes=(), plain="sm120_pcie", rows=16, hidden=64):
-    from sglang_sm120.patches.sm120_pcie_backend import GroupWorkspace
-    from sglang_sm120.policy import AllReducePlan
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.server.patches.sm120_pcie_backend import GroupWorkspace
 
     plan = AllReducePlan(True, "sm120_pcie", plain, ("test plan",), routes)
     ws = SimpleNamespace(device=torch.device("cpu"), max_bytes=rows * hidden * 2)
@@ -172,7 +174,7 @@ def test_fused_point_declined_where_the_table_routes_our_all_reduce_plus_norm(mo
     """Where the tuning table found sgl-kernel-sm120's all-reduce + a separate norm faster than
     its fused kernel, the fused hook hands the point back to upstream (which then all-reduces
     and norms separately) and the plain hook takes that all-reduce onto our kernel."""
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     group = sm120_group(routes=((4, "sm120_pcie"), (16, "sm120_pcie_unfused")))
     monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {True: group})
@@ -207,7 +209,7 @@ def test_fused_point_declined_where_the_table_routes_our_all_reduce_plus_norm(mo
 def test_plain_allreduce_stays_off_our_kernel_when_the_plan_says_nccl(monkeypatch):
     """sm120_pcie fuses, but the user set SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0: plain all-reduces
     of the tagged group must not enter sgl-kernel-sm120."""
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     key = ("device_group", "cpu_group")
     x = torch.ones(4, 64, dtype=torch.bfloat16)
@@ -220,7 +222,7 @@ def test_plain_allreduce_stays_off_our_kernel_when_the_plan_says_nccl(monkeypatc
 
 
 def test_bad_timeout_value_falls_back_with_a_warning(monkeypatch, caplog):
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     monkeypatch.setenv("SGLANG_SM120_TIMEOUT_MS", "abc")
     with caplog.at_level("WARNING", logger="sglang_sm120"):
@@ -232,7 +234,7 @@ def test_bad_timeout_value_falls_back_with_a_warning(monkeypatch, caplog):
 
 def test_a_timeout_past_one_hour_keeps_the_server_default_with_a_warning(monkeypatch, caplog):
     """18446744073710 ms would wrap the kernels' 64-bit nanosecond bound to 0.45 ms."""
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     monkeypatch.setenv("SGLANG_SM120_TIMEOUT_MS", "18446744073710")
     with caplog.at_level("WARNING", logger="sglang_sm120"):
@@ -242,8 +244,8 @@ def test_a_timeout_past_one_hour_keeps_the_server_default_with_a_warning(monkeyp
 
 def publish_plan(monkeypatch, plan, tp: int) -> None:
     """This worker received ``plan`` from its launcher (as runtime.plan_for_view publishes)."""
-    from sglang_sm120 import runtime
-    from sglang_sm120.policy import Capability
+    from sglang_sm120.planning.policy import Capability
+    from sglang_sm120.server import runtime
 
     capability = Capability(True, True, True, ("test host",))
     launched = {"tp_size": tp, "capability": capability.to_json(), "plan": plan.to_json()}
@@ -254,8 +256,8 @@ def publish_plan(monkeypatch, plan, tp: int) -> None:
 
 @pytest.fixture
 def fresh_launch_plan(monkeypatch):
-    from sglang_sm120 import runtime
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server import runtime
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     runtime._launch_plan.cache_clear()
     monkeypatch.setattr(sm120_pcie_backend, "_trtllm_to_pcie_ipc", sm120_pcie_backend._UNRESOLVED)
@@ -276,8 +278,8 @@ def test_pcie_ipc_is_on_behind_our_kernel_where_the_table_routes_sizes_to_it(
     ``eligible_group`` must then build the PCIe-IPC communicator for the TP group, or they
     would fall to NCCL."""
     from sglang.srt.distributed.device_communicators import pcie_ipc_ar
-    from sglang_sm120.patches import pcie_ipc_enable
-    from sglang_sm120.policy import AllReducePlan
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.server.patches import pcie_ipc_enable
 
     plan = AllReducePlan(True, "sm120_pcie", "sm120_pcie", ("test plan",), routes)
     publish_plan(monkeypatch, plan, tp=8)
@@ -298,8 +300,8 @@ def test_a_users_pcie_ipc_value_means_what_upstream_makes_of_it_or_more(
     reads ``n`` as off and an empty or unknown value as invalid (off), and the patch hands
     upstream its value for the TP group."""
     from sglang.srt.distributed.device_communicators import pcie_ipc_ar
-    from sglang_sm120.patches import pcie_ipc_enable
-    from sglang_sm120.policy import AllReducePlan
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.server.patches import pcie_ipc_enable
 
     publish_plan(monkeypatch, AllReducePlan(True, None, "pcie_ipc", ("test plan",)), tp=8)
     monkeypatch.setenv("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", raw)
@@ -311,8 +313,8 @@ def test_a_users_pcie_ipc_value_means_what_upstream_makes_of_it_or_more(
 def trtllm_points(monkeypatch, routes, tp: int, sizes) -> dict[int, tuple]:
     """Fused points of ``sizes`` rows (hidden 64) under a published trtllm plan with ``routes``,
     no sgl-kernel-sm120 workspace: each answer, upstream's (x, x) where upstream was called."""
-    from sglang_sm120.patches import sm120_pcie_backend
-    from sglang_sm120.policy import AllReducePlan
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=tp)
     monkeypatch.setattr(sm120_pcie_backend, "_workspaces", {})
@@ -353,7 +355,7 @@ def prepared_pcie_ipc(monkeypatch):
     import torch.distributed as dist
     from sglang.srt.distributed.device_communicators import pcie_ipc_ar
     from sglang.srt.plugins.hook_registry import _wrap_fn
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     target = f"{pcie_ipc_ar.__name__}.PcieIpcCommunicator.prepare"
@@ -440,7 +442,7 @@ def test_pcie_ipc_routes_behind_our_kernel_stay_on_it_where_pcie_ipc_cannot_hold
     """sm120_pcie with PCIe-IPC behind it: a size the table gave to PCIe-IPC is handed to it
     only where its workspace holds the input; larger ones stay on sgl-kernel-sm120 (fused and
     plain) instead of falling to NCCL."""
-    from sglang_sm120.patches import sm120_pcie_backend
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
     routes = ((4, "sm120_pcie"), (256, "pcie_ipc"))
@@ -469,8 +471,8 @@ def test_trtllm_decline_traces_under_torch_compile(
     """The fused point is traced by torch.compile (--enable-torch-compile): once the workspace
     setup resolved the plan, the decision is integer comparisons (fullgraph, no graph break),
     with the eager answers."""
-    from sglang_sm120.patches import sm120_pcie_backend
-    from sglang_sm120.policy import AllReducePlan
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     prepared_pcie_ipc(hidden=8, max_rows=64)
 
@@ -517,8 +519,8 @@ def test_a_twelve_route_trtllm_plan_compiles_a_graph_per_decision_not_per_route(
     """PCIe-IPC at 1-64 tokens, trtllm above, 12 routes: a decision that changes once gives
     2 graphs, as upstream's own size check does (fused up to its limit, not above); a lookup
     comparing each route would give one graph per route."""
-    from sglang_sm120.patches import sm120_pcie_backend
-    from sglang_sm120.policy import AllReducePlan
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.server.patches import sm120_pcie_backend
 
     routes = tuple((t, "pcie_ipc" if t <= 64 else "trtllm") for t in TWELVE_SIZES)
     publish_plan(monkeypatch, AllReducePlan(True, "trtllm", "pcie_ipc", ("t",), routes), tp=8)
@@ -551,7 +553,7 @@ def test_a_twelve_route_sm120_pcie_plan_compiles_a_graph_per_decision_not_per_ro
     ],
 )
 def test_token_ranges_answer_as_the_route_lookup_does(routes):
-    from sglang_sm120.policy import AllReducePlan, tokens_in
+    from sglang_sm120.planning.policy import AllReducePlan, tokens_in
 
     for fusion in ("trtllm", "sm120_pcie"):
         plan = AllReducePlan(True, fusion, "pcie_ipc", ("t",), routes)

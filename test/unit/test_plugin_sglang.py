@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from child_report import run_child
 from kernel_library import expected_sm120_pcie_status, require_kernel_package
-from sglang_sm120.patches import PATCHES, patch_name
-from sglang_sm120.runtime import LAUNCH_PLAN_ENV
+from sglang_sm120.server.patches import PATCHES, patch_name
+from sglang_sm120.server.runtime import LAUNCH_PLAN_ENV
 
 SCENARIO = Path(__file__).with_name("plugin_scenario.py")
 SM120 = dict(
@@ -201,8 +201,9 @@ def test_worker_follows_the_launchers_plan_reasons_included(model_dirs, tp):
 
 def test_worker_keeps_the_tuning_tables_routes(model_dirs, tmp_path):
     require_kernel_package()
-    from sglang_sm120.facts import load_profile
-    from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+    from sglang_sm120.machine.cache import host_fingerprint
+    from sglang_sm120.machine.facts import load_profile
+    from sglang_sm120.planning.tuning import Measurement, TuningTable, save_table
 
     rows = [
         Measurement("sm120_pcie", tokens, us, True)
@@ -538,8 +539,9 @@ def test_auto_in_any_spelling_follows_the_tp_default(model_dirs, server_args, en
 
 def test_auto_flag_follows_the_tuning_table(model_dirs, tmp_path):
     """TP8, where the default is fusion off: a table in which trtllm wins every size turns it on."""
-    from sglang_sm120.facts import load_profile
-    from sglang_sm120.tuning import Measurement, TuningTable, host_fingerprint, save_table
+    from sglang_sm120.machine.cache import host_fingerprint
+    from sglang_sm120.machine.facts import load_profile
+    from sglang_sm120.planning.tuning import Measurement, TuningTable, save_table
 
     rows = [Measurement("trtllm", t, 5.0, True) for t in (4, 64)]
     rows += [Measurement(b, t, 50.0, True) for b in ("nccl", "pcie_ipc") for t in (4, 64)]

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from sglang_sm120.facts import KERNEL_NOT_INSTALLED, facts_from_json, load_profile
-from sglang_sm120.policy import Deployment, hardware_capability, plan_allreduce
+from sglang_sm120.machine.facts import KERNEL_NOT_INSTALLED, facts_from_json, load_profile
+from sglang_sm120.planning.policy import Deployment, hardware_capability, plan_allreduce
 
 ARCHS = frozenset({"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"})
 KIMI = "KimiK25ForConditionalGeneration"
@@ -255,7 +255,7 @@ BROKEN_KERNEL = dataclasses.replace(WITH_KERNEL, sm120_kernel_problem=LIBRARY_ER
 
 
 def table(rows, fingerprint=None):
-    from sglang_sm120.tuning import Measurement, TuningTable
+    from sglang_sm120.planning.tuning import Measurement, TuningTable
 
     ms = tuple(Measurement(b, t, us, ok) for b, t, us, ok in rows)
     return TuningTable(
@@ -961,7 +961,7 @@ def test_validation_mode_table(facts, deployment, managed, fusion, plain):
 
 
 def test_validation_mode_says_so_in_the_first_reason_and_the_capability():
-    from sglang_sm120.policy import VALIDATION_NOTE
+    from sglang_sm120.planning.policy import VALIDATION_NOTE
 
     plan = plan_allreduce(H200, D(2, model_arch=DSV3, any_arch=True), ARCHS)
     assert VALIDATION_NOTE in plan.reasons[0]

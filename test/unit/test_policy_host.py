@@ -13,10 +13,10 @@ import functools
 
 import pytest
 from fake_nvml import FIXTURES, FakeNvml
-from sglang_sm120.facts import load_profile
-from sglang_sm120.host import HostFindings, P2PSummary, run_host_checks
-from sglang_sm120.policy import Deployment, plan_allreduce
-from sglang_sm120.tuning import Measurement, TuningTable
+from sglang_sm120.machine.facts import load_profile
+from sglang_sm120.machine.host_checks import HostFindings, P2PSummary, run_host_checks
+from sglang_sm120.planning.policy import Deployment, plan_allreduce
+from sglang_sm120.planning.tuning import Measurement, TuningTable
 
 ARCHS = frozenset({"KimiK25ForConditionalGeneration"})
 KIMI = "KimiK25ForConditionalGeneration"
@@ -35,7 +35,7 @@ def fixture(case: str) -> HostFindings:
 
 def measured(write_ratio: float, read_ratio: float = 0.85, staged: float = 0.8) -> HostFindings:
     """The healthy host with a recorded p2p probe (collapse as p2p_probe.is_collapse judges)."""
-    from sglang_sm120.p2p_probe import is_collapse
+    from sglang_sm120.machine.p2p_probe import is_collapse
 
     probe = P2PSummary(
         gpus=tuple(range(8)),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from child_report import run_child
-from sglang_sm120.runtime import ROLE_ENTRIES
+from sglang_sm120.server.runtime import ROLE_ENTRIES
 
 PROBE = """
 import json, sys, importlib
@@ -22,7 +22,7 @@ before = set(sys.modules)
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 load_plugins()
-from sglang_sm120.runtime import PATCH_STATUS
+from sglang_sm120.server.runtime import PATCH_STATUS
 ours = sorted(t for t, hooks in HookRegistry._hooks.items()
               if any(getattr(h, "__module__", "").startswith("sglang_sm120") for _, h, _ in hooks))
 print("PROBE " + json.dumps({"patches": PATCH_STATUS, "hooked": ours,
@@ -168,7 +168,7 @@ load_plugins()  # at module level: each spawned child re-imports this __main__ a
 
 def report():
     import json, os
-    from sglang_sm120.runtime import PATCH_STATUS, process_role
+    from sglang_sm120.server.runtime import PATCH_STATUS, process_role
 
     print("CHILD " + json.dumps({"role": process_role(), "patches": PATCH_STATUS,
                                  "launch_plan": os.environ.get("SGLANG_SM120_LAUNCH_PLAN")}))

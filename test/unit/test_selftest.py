@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_sm120 import e2e, selftest
-from sglang_sm120.facts import GpuInfo, HostFacts
-from sglang_sm120.selftest import AcceptFloor, Outcome, evaluate
+from sglang_sm120.commands import e2e, selftest
+from sglang_sm120.commands.selftest import AcceptFloor, Outcome, evaluate
+from sglang_sm120.machine.facts import GpuInfo, HostFacts
 
 TP = 2
 LAYERS = 5
@@ -314,7 +314,7 @@ def test_default_tp_is_the_largest_size_the_tiny_models_shard_to(have, tp) -> No
 
 def test_a_topology_profile_plans_but_does_not_count_as_gpus(monkeypatch) -> None:
     """SGLANG_SM120_TOPOLOGY describes 8 GPUs for the plan; the GPUs to run on come from NVML."""
-    from sglang_sm120.facts import current_facts
+    from sglang_sm120.machine.facts import current_facts
 
     monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
     current_facts.cache_clear()
@@ -327,7 +327,7 @@ def test_a_topology_profile_plans_but_does_not_count_as_gpus(monkeypatch) -> Non
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     exe = shutil.which("sglang-sm120", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "sglang_sm120.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "sglang_sm120.commands.cli"]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
     full_env.update(env or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, timeout=120)
@@ -361,14 +361,14 @@ def test_selftest_without_gpus_says_so_in_one_line_and_exits_2(args, env) -> Non
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys) -> None:
-    from sglang_sm120.cli import main
+    from sglang_sm120.commands.cli import main
 
     assert main(["selftest", *args]) == 2
     assert capsys.readouterr().err.strip() == f"sglang-sm120 selftest: {message}"
 
 
 def test_a_target_whose_config_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys) -> None:
-    from sglang_sm120.cli import main
+    from sglang_sm120.commands.cli import main
 
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").write_text("{not json")
@@ -406,7 +406,7 @@ def test_extra_server_arguments_come_last_so_sglang_takes_them_over_ours() -> No
 
 
 def test_selftest_takes_repeated_server_args_in_both_spellings() -> None:
-    from sglang_sm120.cli import build_parser
+    from sglang_sm120.commands.cli import build_parser
 
     args = build_parser().parse_args(
         ["selftest", "--server-arg=--attention-backend=triton", "--server-arg", "--nccl-port 1"]
@@ -426,7 +426,7 @@ def test_the_e2e_suite_reads_its_server_args_from_the_environment(monkeypatch) -
 
 
 def test_an_unbalanced_quote_in_a_server_arg_is_one_line_and_exit_2(capsys) -> None:
-    from sglang_sm120.cli import main
+    from sglang_sm120.commands.cli import main
 
     assert main(["selftest", "--server-arg=--chat-template 'x"]) == 2
     err = capsys.readouterr().err.strip()
@@ -458,7 +458,7 @@ PLAN_FOR = e2e.plan_for  # the real one, for its signature
 def fp16_pair(root: Path) -> tuple[Path, Path]:
     """A tiny-fixture-shaped pair whose target is a float16 DeepSeek-V3 (config only)."""
     from model_configs import MODEL_CONFIGS
-    from sglang_sm120 import tiny_models
+    from sglang_sm120.commands import tiny_models
 
     target, draft = root / "target", root / "draft"
     for path in (target, draft):
@@ -540,7 +540,7 @@ def write_rank_stats(directory: Path, rank: int, replays: int, peer_error: str |
     by its ``note_peer_error``, as peer_check calls it), as that TP rank: 3 verify graphs
     captured, ``replays`` replays."""
     from sglang.srt.runtime_context import get_parallel
-    from sglang_sm120.patches import graph_stats
+    from sglang_sm120.server.patches import graph_stats
 
     recorder = graph_stats.GraphStats(directory)
     recorder.path = directory / f"sm120-stats-{1000 + rank}.json"  # one process per rank
@@ -562,8 +562,8 @@ def write_rank_stats(directory: Path, rank: int, replays: int, peer_error: str |
 def run_from_written_stats(monkeypatch, tmp_path, peer_errors: dict[int, str] | None = None):
     """The passing run of ``runs()``, its stats read back (``e2e.read_stats``) from files the
     plugin's writer produced under the plan PLAN_OFF."""
-    from sglang_sm120 import runtime
-    from sglang_sm120.policy import AllReducePlan
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.server import runtime
 
     plan = AllReducePlan(True, None, PLAN_OFF["plain_allreduce"], ("test plan",))
     monkeypatch.setattr(runtime, "_last_plan", [plan])

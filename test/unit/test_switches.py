@@ -7,7 +7,7 @@ import json
 import logging
 
 import pytest
-from sglang_sm120 import runtime
+from sglang_sm120.server import runtime
 from test_cli import run_cli
 
 DISABLE = "SGLANG_SM120_DISABLE"

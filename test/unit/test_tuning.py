@@ -11,11 +11,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from sglang_sm120.facts import load_profile
-from sglang_sm120.tuning import (
+from sglang_sm120.machine.cache import host_fingerprint
+from sglang_sm120.machine.facts import load_profile
+from sglang_sm120.planning.tuning import (
     Measurement,
     TuningTable,
-    host_fingerprint,
     load_table,
     save_table,
     winners,
@@ -171,7 +171,7 @@ def test_a_cache_dir_that_cannot_be_read_is_no_table_naming_it(
 
 def test_a_cache_dir_the_user_cannot_write_is_named_where_tune_would_fail(monkeypatch, open_dir):
     """Reading works, so there is just no table; the note says tune could not write one."""
-    from sglang_sm120.tuning import cache_write_problem
+    from sglang_sm120.machine.cache import cache_write_problem
 
     cache = open_dir / "read-only"
     cache.mkdir(mode=0o555)
@@ -224,7 +224,7 @@ def test_a_backend_wrong_at_one_size_wins_at_no_size():
 
 
 def test_printed_table_keeps_every_backend_in_its_column():
-    from sglang_sm120.tune import BACKENDS, format_table
+    from sglang_sm120.commands.tune import BACKENDS, format_table
 
     ms = (
         Measurement("nccl", 4, 11.6, True),
@@ -245,7 +245,7 @@ def test_printed_table_keeps_every_backend_in_its_column():
 
 
 def test_tune_names_a_cache_dir_it_cannot_write_before_measuring(monkeypatch, tmp_path, capsys):
-    from sglang_sm120 import cli
+    from sglang_sm120.commands import cli
 
     (tmp_path / "a-file").write_text("not a directory")
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path / "a-file"))

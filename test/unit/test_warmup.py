@@ -14,8 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from sglang_sm120 import warmup
-from sglang_sm120.warmup import (
+from sglang_sm120.commands import warmup
+from sglang_sm120.commands.warmup import (
     WARMUP_TARGETS,
     WarmupStep,
     WarmupTarget,
@@ -74,7 +74,7 @@ def test_dry_run_imports_no_upstream_package():
     code = textwrap.dedent(
         """
         import sys
-        from sglang_sm120.warmup import run_warmup
+        from sglang_sm120.commands.warmup import run_warmup
         run_warmup(dry_run=True)
         print(sorted(m for m in ("torch", "flashinfer", "sglang") if m in sys.modules))
         """

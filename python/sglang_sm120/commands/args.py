@@ -1,0 +1,249 @@
+"""What the commands share: bad input as one line (``UsageError``, ``one_line``, ``Parser``), the
+argument types, the deployment flags of ``doctor`` and ``plan`` and the check of SGLang's own
+flag choices."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+from typing import NoReturn
+
+from sglang_sm120.machine.facts import HostFacts
+from sglang_sm120.machine.topology import MAX_NODES
+from sglang_sm120.planning.policy import PLUGIN_BACKEND_CHOICES, PLUGIN_BACKEND_ENV, Deployment
+from sglang_sm120.version import SGLANG_PIN, __version__
+
+
+class UsageError(ValueError):
+    """Input the command cannot use; main() prints it as one line and exits 2."""
+
+
+def one_line(text: str) -> str:
+    """``text`` as one printable line: a newline or other control character a user typed (in a
+    path, a flag value) is shown escaped, as repr() shows it, instead of breaking the line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (no usage block), still exit status 2."""
+
+    commands: tuple[str, ...] = ()  # the subcommands, for "a command is required"
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:  # also past Python's 4300 digits
+        shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+        raise argparse.ArgumentTypeError(f"{shown} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def node_count(text: str) -> int:
+    """--nnodes: 1..MAX_NODES, the topology schema's own bound."""
+    value = positive_int(text)
+    if value > MAX_NODES:
+        raise argparse.ArgumentTypeError(
+            f"{value} is above {MAX_NODES}, the most nodes a deployment may have here"
+        )
+    return value
+
+
+#: --dtype: the dtype the model runs in, as the plan compares it; SGLang's aliases map to it.
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "float32": "float32",
+    "half": "float16",
+    "float": "float32",
+}
+
+
+def model_dtype(text: str) -> str:
+    if text == "auto":
+        raise argparse.ArgumentTypeError(
+            "'auto' is SGLang's choice from the model's config, which doctor and plan do not "
+            "read; give the dtype it resolves to (bfloat16, float16 or float32)"
+        )
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r} is not a model dtype ({', '.join(DTYPES)})"
+        )
+    return DTYPES[text]
+
+
+def model_arch(text: str) -> str:
+    """A config.json architecture: a Python class name, e.g. DeepseekV3ForCausalLM."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text[:60]!r} is not an architecture class name such as "
+            "KimiK25ForConditionalGeneration (config.json's architectures[0])"
+        )
+    return text
+
+
+#: flags doctor and plan take as SGLang's, checked against SGLang's own parser: ours -> theirs
+UPSTREAM_FLAGS = {
+    "fusion_backend": "--flashinfer-allreduce-fusion-backend",
+    "moe_a2a_backend": "--moe-a2a-backend",
+}
+
+
+@functools.cache
+def upstream_choices() -> dict[str, list[str]]:
+    """The choices SGLang's own parser gives the UPSTREAM_FLAGS (built from ServerArgs once). A
+    flag SGLang renamed, or one that lost its choices, is left out: it is then not checked,
+    rather than failing every doctor and plan."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    actions = parser._option_string_actions  # argparse keeps no public map of its options
+    choices = {}
+    for ours, theirs in UPSTREAM_FLAGS.items():
+        action = actions.get(theirs)
+        if action is not None and action.choices:
+            choices[ours] = [str(choice) for choice in action.choices]
+    return choices
+
+
+def check_upstream_flags(args: argparse.Namespace) -> None:
+    """A value SGLang would refuse is not planned as if it meant something (SGLang's parser
+    is built only where such a flag was given)."""
+    given = {name: getattr(args, name) for name in UPSTREAM_FLAGS}
+    for name, value in given.items():
+        if value is None:
+            continue
+        choices = upstream_choices().get(name)
+        if choices is not None and value not in choices:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(
+                f"{flag} {value[:40]!r} is not one of SGLang's choices ({', '.join(choices)})"
+            )
+
+
+def compute_capability(text: str) -> tuple[int, int]:
+    """'12.0' or '12' -> (12, 0)."""
+    match = re.fullmatch(r"(\d{1,2})(?:\.(\d))?", text.strip())
+    if not match or not 1 <= int(match[1]) <= 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability such as 12.0")
+    return int(match[1]), int(match[2] or 0)
+
+
+def require_sglang() -> None:
+    """Planning reads upstream's own tables, so sglang must import; say so in one line."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"sglang is not importable ({exc}); sglang-sm120 {__version__} needs "
+            f"sglang=={SGLANG_PIN} (pip install sglang=={SGLANG_PIN})"
+        ) from None
+
+
+def check_tp(facts: HostFacts, tp_size: int, nnodes: int) -> None:
+    """A tensor-parallel group cannot be larger than the GPUs it would run on."""
+    available = len(facts.gpus) * nnodes
+    if tp_size > available:
+        raise UsageError(
+            f"--tp {tp_size} needs {tp_size} GPU{'s' if tp_size > 1 else ''}; "
+            f"{facts.source} has {len(facts.gpus)}"
+            + (f" x {nnodes} nodes" if nnodes > 1 else "")
+            + " (pass --nnodes for a multi-node deployment)"
+        )
+
+
+def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> None:
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        required=tp_required,
+        help="tensor-parallel size" + ("" if tp_required else " (default: every GPU here)"),
+    )
+    parser.add_argument(
+        "--model-arch",
+        type=model_arch,
+        help="the model's architecture (config.json), e.g. KimiK25ForConditionalGeneration",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=node_count,
+        default=1,
+        help=f"as SGLang's --nnodes (default 1, at most {MAX_NODES})",
+    )
+    parser.add_argument(
+        "--attention-dp", action="store_true", help="as SGLang's --enable-dp-attention"
+    )
+    parser.add_argument(
+        "--moe-a2a-backend", default="none", help="as SGLang's --moe-a2a-backend (default none)"
+    )
+    parser.add_argument(
+        "--dtype",
+        type=model_dtype,
+        default="bfloat16",
+        help="the dtype the model runs in: bfloat16 (default), float16 (half) or float32 (float)",
+    )
+    parser.add_argument(
+        "--fusion-backend", help="as --flashinfer-allreduce-fusion-backend (auto, trtllm, ...)"
+    )
+    parser.add_argument(
+        "--enforce-disable-fusion",
+        action="store_true",
+        help="as SGLang's --enforce-disable-flashinfer-allreduce-fusion",
+    )
+    parser.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="as SGLang's flag (at TP2 or with NVLink it takes the points fusion declines)",
+    )
+    parser.add_argument(
+        "--plugin-backend",
+        choices=PLUGIN_BACKEND_CHOICES,
+        help=f"as {PLUGIN_BACKEND_ENV} (default: that variable)",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=positive_int,
+        default=7168,
+        help="the model's hidden size, to pick the tuning table (default 7168)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON (for a program)")
+
+
+def deployment_from_args(args: argparse.Namespace, tp_size: int) -> Deployment:
+    from sglang_sm120.server.runtime import pcie_ipc_env, plugin_backend, validation_mode
+
+    chosen = args.plugin_backend or plugin_backend()
+    return Deployment(
+        tp_size=tp_size,
+        nnodes=args.nnodes,
+        attention_dp=args.attention_dp,
+        moe_a2a_backend=args.moe_a2a_backend,
+        model_arch=args.model_arch,
+        dtype=args.dtype,
+        fusion_backend_flag=args.fusion_backend,
+        enforce_disable_fusion=args.enforce_disable_fusion,
+        pcie_ipc_env=pcie_ipc_env(),
+        plugin_backend=None if chosen == "auto" else chosen,
+        custom_all_reduce=not args.disable_custom_all_reduce,
+        any_arch=validation_mode(),
+    )
+
+
+def gpu_list(text: str) -> tuple[int, ...]:
+    """'0,1,3' -> (0, 1, 3): distinct CUDA indices."""
+    try:
+        gpus = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of GPU indices") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices must be distinct and >= 0")
+    return gpus

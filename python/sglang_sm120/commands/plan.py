@@ -1,0 +1,94 @@
+"""``sglang-sm120 plan``: the plan for a machine you are not on (an embedded profile or a
+topology file), and the facts and plan lines ``doctor`` prints too."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from sglang_sm120.commands.args import (
+    add_deployment_args,
+    check_tp,
+    check_upstream_flags,
+    deployment_from_args,
+    require_sglang,
+)
+from sglang_sm120.machine.facts import HostFacts, load_profile, load_topology, profile_names
+from sglang_sm120.machine.host_checks import HostFindings
+from sglang_sm120.planning.policy import AllReducePlan
+
+
+def plan_for_args(
+    facts: HostFacts,
+    args: argparse.Namespace,
+    tp_size: int,
+    local_tuning: bool = False,
+    host: HostFindings | None = None,
+) -> AllReducePlan:
+    """The plan a launcher would publish; ``local_tuning`` adds this host's tuning table and
+    ``host`` its findings (doctor, not planning)."""
+    from sglang_sm120.server.runtime import plan_to_publish, with_tuning
+
+    deployment = dataclasses.replace(deployment_from_args(args, tp_size), host=host)
+    if local_tuning:
+        deployment = with_tuning(deployment, args.hidden, args.dtype)
+    return plan_to_publish(facts, deployment)[0]
+
+
+def facts_lines(facts: HostFacts) -> list[str]:
+    lines = [f"facts from: {facts.source}"]
+    if facts.probe_error:
+        lines.append(f"  probe: {facts.probe_error}")
+    if facts.driver_version:
+        lines.append(
+            f"  driver {facts.driver_version}, CUDA driver API {facts.cuda_driver_version}"
+        )
+    if not facts.gpus:
+        lines.append("  no NVIDIA GPU visible")
+        return lines
+    for g in facts.gpus:
+        numa = "?" if g.numa_node is None else g.numa_node
+        lines.append(f"  GPU{g.index}: {g.name}  SM{g.sm}  NUMA {numa}  {g.memory_gib or '?'} GiB")
+    lines.append(f"  NVLink: {'yes' if facts.has_nvlink else 'no'}   nodes: {facts.nnodes}")
+    lines.append("  P2P   " + " ".join(f"{i:>2}" for i in range(len(facts.gpus))))
+    for i, row in enumerate(facts.p2p):
+        cells = " ".join(" -" if i == j else (" Y" if ok else " N") for j, ok in enumerate(row))
+        lines.append(f"  GPU{i:<2} {cells}")
+    return lines
+
+
+def plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
+    lines = [
+        f"plan for tp={tp_size}: fusion_backend={plan.fusion_backend or 'off'}  "
+        f"plain_allreduce={plan.plain_allreduce}  managed={plan.managed}"
+    ]
+    lines += [f"  - {reason}" for reason in plan.reasons]
+    if plan.routes:
+        lines.append("  tuned routes (tokens -> the fastest correct backend this server runs):")
+        lines += [f"  {f'{a}-{b}':>9} -> {backend}" for a, b, backend in plan.route_ranges()]
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = load_profile(args.profile) if args.profile else load_topology(args.topology)
+    check_tp(facts, args.tp, args.nnodes)
+    require_sglang()
+    check_upstream_flags(args)
+    plan = plan_for_args(facts, args, args.tp)
+    if args.json:
+        print(json.dumps({**plan.to_json(), "tp": args.tp, "facts_source": facts.source}, indent=1))
+    else:
+        print("\n".join(facts_lines(facts) + plan_lines(plan, args.tp)))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("plan", help="the plan for a machine described by a profile or file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--profile", choices=profile_names(), help="an embedded machine profile (see: profiles)"
+    )
+    source.add_argument("--topology", help="topology JSON file (format of the embedded profiles)")
+    add_deployment_args(parser, tp_required=True)
+    parser.set_defaults(func=run)

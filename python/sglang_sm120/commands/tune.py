@@ -1,0 +1,565 @@
+"""``sglang-sm120 tune``: measure every all-reduce backend this host has, check each against a
+float32 reference first, and write the tuning table the policy reads.
+
+For each token count a decode/verify step can have and the model's hidden size, per backend
+(one all-reduce + residual add + RMSNorm point of a layer, CUDA-graph timed):
+
+    nccl         NCCL all-reduce + a separate add+RMSNorm kernel
+    pcie_ipc     FlashInfer PCIe-IPC all-reduce + the same add+RMSNorm kernel, after
+                 FlashInfer's own PcieIpcAllReduceWorkspace.tune([hidden]) at these token
+                 counts (its default samples: ~33 s per token count on a 2x H200 box, where it
+                 kept its seed; the note in the table says what it changed)
+    trtllm       FlashInfer allreduce_fusion (kARResidualRMSNorm, trtllm backend)
+    sm120_pcie   sgl-kernel-sm120's fused kernel
+    sm120_pcie_unfused  sgl-kernel-sm120's all-reduce + the same add+RMSNorm kernel (the plan
+                 routes a size here when this beats the fused kernel)
+
+Ranks are one process per GPU when there are enough GPUs. Otherwise they share one GPU as
+streams of one process: only sm120_pcie can run there (NCCL refuses two ranks on one GPU), the
+numbers are kernel overhead rather than interconnect, and the table is marked so (the policy
+does not use such a table). Progress over backends x token counts is a tqdm bar on stderr (rank 0
+draws it). The timing core (``time_local``, ``per_call_us``,
+``make_add_rmsnorm``) is also what ``benchmark/bench_allreduce.py`` uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_sm120.commands.args import positive_int
+from sglang_sm120.machine.cache import cache_write_problem, host_fingerprint
+from sglang_sm120.machine.facts import current_facts
+from sglang_sm120.planning.tuning import BACKENDS, Measurement, TuningTable, save_table
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    tp: int
+    hidden: int = 7168
+    dtype: str = "bfloat16"
+    tokens: tuple[int, ...] = TOKENS
+    calls: int = 20
+    replays: int = 10
+    seed: int = 1234
+
+
+# ----------------------------------------------------------------------------- timing core
+
+
+def make_add_rmsnorm(hidden: int, dtype: Any) -> tuple[Callable, str]:
+    """(fn(x, residual, weight) -> (norm, residual_out), description): one Triton kernel, or
+    torch eager where Triton cannot compile. Compiled here, before ranks start waiting on
+    each other, so that no JIT happens between two ranks' launches."""
+    import torch
+
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, hidden, eps, BLOCK: tl.constexpr):
+            row = tl.program_id(0)
+            offs = tl.arange(0, BLOCK)
+            mask = offs < hidden
+            base = row * hidden
+            s = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+            s += tl.load(r_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(r_out_ptr + base + offs, s.to(r_out_ptr.dtype.element_ty), mask=mask)
+            scale = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + base + offs, (s * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+        block = triton.next_power_of_2(hidden)
+
+        def add_rmsnorm(x, residual, weight):
+            out, res_out = torch.empty_like(x), torch.empty_like(residual)
+            _add_rmsnorm[(x.shape[0],)](
+                x, residual, weight, out, res_out, x.shape[1], EPS, BLOCK=block, num_warps=8
+            )
+            return out, res_out
+
+        probe = torch.ones(1, hidden, dtype=dtype, device="cuda")
+        add_rmsnorm(probe, probe, probe[0])
+        torch.cuda.synchronize()
+        return add_rmsnorm, "Triton add+RMSNorm kernel"
+    except Exception as exc:
+
+        def add_rmsnorm_eager(x, residual, weight):
+            s = x.float() + residual.float()
+            scale = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
+            return (s * scale * weight.float()).to(x.dtype), s.to(x.dtype)
+
+        return add_rmsnorm_eager, f"torch eager add+RMSNorm (Triton unavailable: {exc})"
+
+
+def per_call_us(elapsed_ms_per_rank: Sequence[Sequence[float]], calls: int) -> float:
+    """Median over replays of the per-call time of the rank that started last: the op makes
+    every rank wait for the last one, so the shortest rank time is the one without launch skew."""
+    per_replay = [min(times) for times in zip(*elapsed_ms_per_rank, strict=True)]
+    return statistics.median(per_replay) * 1000.0 / calls
+
+
+def time_local(ranks: Any, body: Callable[[int, Any], None], calls: int, replays: int) -> float:
+    """``calls`` repetitions of body(rank, ws) captured in one graph per rank (ranks as streams
+    of this process, ``sgl_kernel_sm120.testing.LocalRanks``); microseconds per call."""
+    import torch
+
+    ranks.run(lambda r, ws: [body(r, ws) for _ in range(2)])
+    torch.cuda.synchronize()
+    graphs = []
+    for rank, ws in enumerate(ranks.workspaces):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=ranks.streams[rank]):
+            for _ in range(calls):
+                body(rank, ws)
+        graphs.append(graph)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in graphs]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in graphs]
+    elapsed: list[list[float]] = [[] for _ in graphs]
+    for _ in range(replays + 1):
+        ranks.run(lambda r, ws: (starts[r].record(), graphs[r].replay(), ends[r].record()))
+        torch.cuda.synchronize()
+        for r in range(len(graphs)):
+            elapsed[r].append(starts[r].elapsed_time(ends[r]))
+    ranks.check_errors()
+    return per_call_us([e[1:] for e in elapsed], calls)  # the first replay warms up
+
+
+# ------------------------------------------------------------------------------ correctness
+
+
+def rank_inputs(seed: int, rank: int, tokens: int, hidden: int, dtype: Any):
+    """Rank ``rank``'s input; every rank can rebuild every other rank's for the reference."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed * 1_000_003 + rank * 7919 + tokens)
+    return torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+
+
+def shared_operands(seed: int, tokens: int, hidden: int, dtype: Any):
+    """(residual, weight), the same on every rank, as in a real layer."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed + 17 * tokens)
+    residual = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+    weight = (1.0 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(dtype)
+    return residual, weight
+
+
+def close_to_reference(
+    result: tuple[Any, Any], inputs: Sequence[Any], residual: Any, weight: Any
+) -> tuple[bool, str]:
+    """Whether (norm_out, residual_out) matches the float32 reference within 16-bit tolerance."""
+    from sgl_kernel_sm120.testing import TOLERANCES, max_violation, reference_fused
+
+    want_norm, want_residual = reference_fused(inputs, residual, weight, EPS)
+    rtol, atol = TOLERANCES[residual.dtype]
+    worst = max(
+        float(max_violation(result[0], want_norm, rtol)),
+        float(max_violation(result[1], want_residual, rtol)),
+    )
+    return worst <= atol, f"max error over tolerance {worst:.3g} (atol {atol})"
+
+
+def progress_bar(total: int, what: str, show: bool = True) -> Any:
+    """tqdm over (backend, token count) cells on stderr; drawn on a terminal only."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=what, unit="cell", file=sys.stderr, disable=None if show else True
+    )
+
+
+# ------------------------------------------------------------------ ranks sharing one GPU
+
+
+def _tune_local(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
+    import sgl_kernel_sm120 as sk
+    import torch
+    from sgl_kernel_sm120.testing import LocalRanks
+
+    dtype = getattr(torch, settings.dtype)
+    tp, hidden = settings.tp, settings.hidden
+    notes = [f"{tp} ranks share one GPU as streams: numbers are kernel overhead, not interconnect"]
+    measurements = [
+        Measurement(b, t, None, False, f"n/a: needs {tp} GPUs (ranks share one here)")
+        for t in settings.tokens
+        for b in ("nccl", "pcie_ipc", "trtllm")
+    ]
+    ranks = LocalRanks(sk.CommWorkspace.create_local(tp, max(settings.tokens), hidden, dtype))
+    bar = progress_bar(len(settings.tokens), f"tune tp={tp} sm120_pcie")
+    try:
+        for tokens in settings.tokens:
+            bar.set_postfix_str(f"{tokens} tokens")
+            xs = [rank_inputs(settings.seed, r, tokens, hidden, dtype) for r in range(tp)]
+            residual, weight = shared_operands(settings.seed, tokens, hidden, dtype)
+
+            def fused(r, ws, xs=xs, residual=residual, weight=weight):
+                return sk.fused_allreduce_add_rmsnorm(xs[r], residual, weight, EPS, ws)
+
+            results = ranks.run(fused)
+            torch.cuda.synchronize()
+            ranks.check_errors()
+            checks = [close_to_reference(res, xs, residual, weight) for res in results]
+            correct = all(ok for ok, _ in checks)
+            us = time_local(ranks, fused, settings.calls, settings.replays)
+            note = "" if correct else next(why for ok, why in checks if not ok)
+            measurements.append(Measurement("sm120_pcie", tokens, us, correct, note))
+            bar.update()
+    finally:
+        bar.close()
+        ranks.close()
+    return measurements, notes
+
+
+# ---------------------------------------------------------------- one process per GPU
+
+
+def flashinfer_trtllm_fused(
+    rank: int, world_size: int, max_tokens: int, hidden: int, dtype: Any
+) -> Callable:
+    """FlashInfer's fused all-reduce + residual + RMSNorm (trtllm backend) as
+    fn(x, residual, weight) -> (norm_out, residual_out); raises where it cannot be set up."""
+    import flashinfer.comm as fic
+    import torch
+
+    fws = fic.create_allreduce_fusion_workspace(
+        backend="trtllm",
+        world_size=world_size,
+        rank=rank,
+        max_token_num=max_tokens,
+        hidden_dim=hidden,
+        dtype=dtype,
+    )
+
+    def trtllm(x, residual, weight):
+        norm_out, res_out = torch.empty_like(x), torch.empty_like(residual)
+        fic.allreduce_fusion(
+            input=x,
+            workspace=fws,
+            pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
+            launch_with_pdl=True,  # as SGLang 0.5.23 calls it (flashinfer_comm_fusion.py)
+            residual_out=res_out,
+            norm_out=norm_out,
+            residual_in=residual,
+            rms_gamma=weight,
+            rms_eps=EPS,
+            fp32_acc=True,
+        )
+        return norm_out, res_out
+
+    return trtllm
+
+
+def flashinfer_pcie_ipc(
+    gloo: Any,
+    tokens: Sequence[int],
+    hidden: int,
+    dtype: Any,
+    *,
+    repeat: int | None = None,
+) -> tuple[Any, str]:
+    """FlashInfer's PCIe-IPC workspace, tuned with its own ``tune([hidden])`` at the token
+    counts that will be timed, before anything is timed (its seed launch configurations come
+    from one PCIe host; the tuner measures this one). ``repeat``: timed iterations per
+    candidate (FlashInfer's default when None; fewer are faster, and FlashInfer then keeps the
+    result in this process only). Collective over ``gloo``. Returns (workspace, a note)."""
+    import flashinfer.comm as fic
+    import torch
+
+    pws = fic.PcieIpcAllReduceWorkspace(
+        group=gloo, max_numel=max(tokens) * hidden, tune_batches=tuple(sorted(set(tokens)))
+    )
+    counts = {} if repeat is None else {"warmup": 2, "repeat": repeat}
+    try:
+        tuned = pws.tune([hidden], dtype=dtype, **counts)
+    except Exception as exc:  # an untuned baseline is still a baseline: say so
+        return pws, f"FlashInfer PCIe-IPC tune([{hidden}]) failed, seed configurations used: {exc}"
+    changed = sum(
+        1
+        for (h, batch), config in tuned.items()
+        if config is not None
+        and config != pws.launch_config(torch.empty(batch, h, dtype=dtype, device=pws.device))
+    )
+    samples = "FlashInfer's default samples" if repeat is None else f"repeat={repeat}"
+    return pws, (
+        f"FlashInfer PCIe-IPC tune([{hidden}]) ({samples}): {len(tuned)} shapes measured, "
+        f"{changed} configurations differ from its seed (0: the seed is its best on this host)"
+    )
+
+
+def _rank_backends(
+    rank: int,
+    settings: TuneSettings,
+    gloo: Any,
+    add_rmsnorm: Callable,
+    skipped: dict[str, str],
+    notes: list[str],
+) -> dict[str, Callable]:
+    """name -> fn(x, residual, weight) -> (norm_out, residual_out), for what this host has."""
+    import torch
+    import torch.distributed as dist
+
+    dtype = getattr(torch, settings.dtype)
+    max_tokens, hidden = max(settings.tokens), settings.hidden
+
+    def nccl(x, residual, weight):
+        y = x.clone()
+        dist.all_reduce(y)
+        return add_rmsnorm(y, residual, weight)
+
+    backends: dict[str, Callable] = {"nccl": nccl}
+    try:
+        import sgl_kernel_sm120 as sk
+
+        ws = sk.CommWorkspace.create(gloo, max_tokens, hidden, dtype)
+        backends["sm120_pcie"] = lambda x, r, w: sk.fused_allreduce_add_rmsnorm(x, r, w, EPS, ws)
+        backends["sm120_pcie_unfused"] = lambda x, r, w: add_rmsnorm(sk.all_reduce(x, ws), r, w)
+    except Exception as exc:
+        why = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+        skipped["sm120_pcie"] = skipped["sm120_pcie_unfused"] = why
+    try:
+        import flashinfer.comm  # noqa: F401
+    except Exception as exc:
+        skipped["trtllm"] = skipped["pcie_ipc"] = f"flashinfer not importable: {exc}"[:300]
+        return backends
+    try:
+        backends["trtllm"] = flashinfer_trtllm_fused(rank, settings.tp, max_tokens, hidden, dtype)
+    except Exception as exc:
+        skipped["trtllm"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+    if dtype == torch.bfloat16:
+        try:
+            pws, note = flashinfer_pcie_ipc(gloo, settings.tokens, hidden, dtype)
+            notes.append(note)
+            backends["pcie_ipc"] = lambda x, r, w: add_rmsnorm(pws.all_reduce(x), r, w)
+        except Exception as exc:
+            skipped["pcie_ipc"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+    else:
+        skipped["pcie_ipc"] = "PCIe-IPC serves bf16 only"
+    return backends
+
+
+def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: str) -> None:
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init_file}", rank=rank, world_size=settings.tp
+    )
+    gloo = dist.new_group(backend="gloo")
+    dtype = getattr(torch, settings.dtype)
+    add_rmsnorm, _ = make_add_rmsnorm(settings.hidden, dtype)
+    skipped: dict[str, str] = {}
+    notes: list[str] = []
+    backends = _rank_backends(rank, settings, gloo, add_rmsnorm, skipped, notes)
+    stream = torch.cuda.Stream()
+    rows = []
+    bar = progress_bar(
+        len(settings.tokens) * len(backends),
+        f"tune tp={settings.tp} {'/'.join(backends)}",
+        show=rank == 0,
+    )
+    for tokens in settings.tokens:
+        xs = [
+            rank_inputs(settings.seed, r, tokens, settings.hidden, dtype)
+            for r in range(settings.tp)
+        ]
+        residual, weight = shared_operands(settings.seed, tokens, settings.hidden, dtype)
+        for name, fn in backends.items():
+            bar.set_postfix_str(f"{name} {tokens} tokens")
+            try:
+                ok, why = close_to_reference(fn(xs[rank], residual, weight), xs, residual, weight)
+                everyone = [None] * settings.tp
+                dist.all_gather_object(everyone, (ok, why), group=gloo)
+                correct = all(o for o, _ in everyone)
+
+                def call(fn=fn, x=xs[rank], residual=residual, weight=weight):
+                    return fn(x, residual, weight)
+
+                us = time_graph(call, stream, settings.calls, settings.replays, gloo)
+                rows.append((name, tokens, us, correct, "" if correct else why))
+            except Exception as exc:  # a backend failing must not hide the others
+                rows.append(
+                    (name, tokens, None, False, f"failed: {type(exc).__name__}: {exc}"[:300])
+                )
+            bar.update()
+    bar.close()
+    if rank == 0:
+        Path(result_file).write_text(json.dumps({"rows": rows, "skipped": skipped, "notes": notes}))
+    dist.destroy_process_group()
+
+
+def time_graph(body: Callable[[], Any], stream: Any, calls: int, replays: int, gloo: Any) -> float:
+    """``calls`` repetitions of body() captured in one graph, replayed in step with the other
+    ranks of ``gloo`` (one process per GPU); microseconds per call."""
+    import torch
+    import torch.distributed as dist
+
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            body()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    mine = []
+    for _ in range(replays + 1):
+        dist.barrier(group=gloo)
+        with torch.cuda.stream(stream):
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        mine.append(start.elapsed_time(end))
+    everyone: list[Any] = [None] * dist.get_world_size(gloo)
+    dist.all_gather_object(everyone, mine[1:], group=gloo)
+    return per_call_us(everyone, calls)
+
+
+def _tune_multiprocess(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        mp.spawn(
+            _rank_main,
+            args=(settings, str(Path(tmp) / "init"), str(result)),
+            nprocs=settings.tp,
+            join=True,
+        )
+        data = json.loads(result.read_text())
+    measurements = [Measurement(*row) for row in data["rows"]]
+    notes = [f"{name}: {why}" for name, why in sorted(data["skipped"].items())]
+    return measurements, notes + data.get("notes", [])
+
+
+# ------------------------------------------------------------------------------------ entry
+
+
+def run_tune(settings: TuneSettings) -> tuple[TuningTable, Path]:
+    """Measure, build the table for this host and save it; returns (table, path)."""
+    import torch
+
+    problem = cache_write_problem()  # said now, not after minutes of measuring
+    if problem:
+        raise ValueError(problem)
+    if not torch.cuda.is_available():
+        raise RuntimeError("needs CUDA GPUs; torch sees none")
+    if settings.tp < 2:
+        raise ValueError("tune needs --tp >= 2: tp=1 has no all-reduce")
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # ranks as streams: no lazy loads
+    share = torch.cuda.device_count() < settings.tp
+    started = time.monotonic()
+    measurements, notes = (_tune_local if share else _tune_multiprocess)(settings)
+    notes.append(
+        f"measured in {time.monotonic() - started:.0f} s on {torch.cuda.get_device_name()}"
+    )
+    table = TuningTable(
+        fingerprint=host_fingerprint(current_facts(), settings.tp),
+        tp=settings.tp,
+        hidden=settings.hidden,
+        dtype=settings.dtype,
+        measurements=tuple(measurements),
+        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        ranks_share_gpu=share,
+        notes=tuple(notes),
+    )
+    return table, save_table(table)
+
+
+def format_table(table: TuningTable) -> str:
+    """Microseconds per backend and token count, the winner per row, and what was excluded."""
+    from sglang_sm120.planning.tuning import winners
+
+    by_cell = {(m.backend, m.tokens): m for m in table.measurements}
+    tokens = sorted({m.tokens for m in table.measurements})
+    best = winners(table, prefer=None)
+    widths = {b: max(12, len(b)) for b in BACKENDS}
+    head = f"{'tokens':>6} " + " ".join(f"{b:>{widths[b]}}" for b in BACKENDS) + "  fastest correct"
+    lines = [
+        f"tp={table.tp} hidden={table.hidden} {table.dtype}"
+        + (" (ranks share one GPU: kernel overhead only)" if table.ranks_share_gpu else ""),
+        head,
+    ]
+    for t in tokens:
+        cells = []
+        for b in BACKENDS:
+            m = by_cell.get((b, t))
+            cell = (
+                "n/a" if m is None or m.us is None else f"{m.us:.1f}" + ("" if m.correct else "!")
+            )
+            cells.append(f"{cell:>{widths[b]}}")
+        lines.append(f"{t:>6} " + " ".join(cells) + f"  {best.get(t, '-')}")
+    lines.append("(us per call; '!' = wrong result, excluded)")
+    lines += [f"note: {n}" for n in table.notes]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = TuneSettings(
+        tp=args.tp,
+        hidden=args.hidden,
+        dtype=args.dtype,
+        tokens=tuple(args.tokens or TOKENS),
+        calls=args.calls,
+        replays=args.replays,
+    )
+    current_facts()  # a bad SGLANG_SM120_TOPOLOGY is reported now, not after measuring
+    try:
+        table, path = run_tune(settings)
+    except (RuntimeError, ValueError) as exc:
+        print(f"sglang-sm120 tune: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(table.to_json(), indent=1) if args.json else format_table(table))
+    print(f"written: {path}", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("tune", help="measure all-reduce backends here, write the tuning table")
+    parser.add_argument(
+        "--tp", type=positive_int, required=True, help="ranks to measure, one per GPU"
+    )
+    parser.add_argument(
+        "--hidden", type=positive_int, default=7168, help="the model's hidden size (default 7168)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16"),
+        help="the model's dtype (default bfloat16)",
+    )
+    parser.add_argument(
+        "--tokens", type=positive_int, nargs="+", help="token counts (default 1..2048)"
+    )
+    parser.add_argument(
+        "--calls", type=positive_int, default=20, help="calls per captured graph (default 20)"
+    )
+    parser.add_argument(
+        "--replays", type=positive_int, default=10, help="graph replays timed (median; default 10)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the table as JSON")
+    parser.set_defaults(func=run)

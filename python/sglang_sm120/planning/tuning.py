@@ -1,0 +1,225 @@
+"""Tuning tables: which all-reduce backend is fastest, and correct, on this host, per token count.
+
+``sglang-sm120 tune`` measures and writes one table per (host fingerprint, tp, hidden, dtype)
+under the cache directory; the policy reads it. A table whose fingerprint does not match the
+host (other GPUs, topology, driver or package versions) is stale and ignored, with the reason.
+
+Backends, as measured (each is one all-reduce + residual add + RMSNorm point of a layer):
+
+    nccl          NCCL all-reduce, then a separate add + RMSNorm
+    pcie_ipc      FlashInfer PCIe-IPC all-reduce, then a separate add + RMSNorm
+    trtllm        FlashInfer allreduce_fusion (trtllm, one-shot/two-shot as it picks)
+    sm120_pcie    sgl-kernel-sm120 fused all-reduce + add + RMSNorm (one kernel)
+    sm120_pcie_unfused  sgl-kernel-sm120 all-reduce, then a separate add + RMSNorm (where this
+                  wins by UNFUSED_MIN_GAIN, the plan declines the fused point and serves
+                  SGLang's all-reduce)
+
+Example::
+
+    table = TuningTable.from_json(json.loads(path.read_text()))
+    winners(table, prefer=None)   # {1: "sm120_pcie", 2: "sm120_pcie", ..., 2048: "nccl"}
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+from collections.abc import Collection, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_sm120.machine.cache import (
+    cache_dir,
+    cache_name,
+    fingerprint_id,
+    host_fingerprint,
+    list_cache,
+)
+from sglang_sm120.machine.facts import HostFacts
+from sglang_sm120.strict_json import read_json_file
+
+BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
+FUSED_BACKENDS = ("trtllm", "sm120_pcie")
+TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
+# A table of every size 1..2048 for the five backends takes ~1.2 MiB as `tune` writes it.
+TABLE_MAX_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One backend at one token count: its time (None when it could not run) and whether its
+    result matched the float32 reference."""
+
+    backend: str
+    tokens: int
+    us: float | None
+    correct: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TuningTable:
+    fingerprint: dict[str, Any]
+    tp: int
+    hidden: int
+    dtype: str
+    measurements: tuple[Measurement, ...]
+    created: str = ""
+    ranks_share_gpu: bool = False
+    version: int = TABLE_VERSION
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fingerprint_id"] = fingerprint_id(self.fingerprint)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TuningTable:
+        return cls(
+            fingerprint=data["fingerprint"],
+            tp=int(data["tp"]),
+            hidden=int(data["hidden"]),
+            dtype=str(data["dtype"]),
+            measurements=tuple(Measurement(**m) for m in data["measurements"]),
+            created=data.get("created", ""),
+            ranks_share_gpu=bool(data.get("ranks_share_gpu", False)),
+            version=int(data.get("version", 0)),
+            notes=tuple(data.get("notes", ())),
+        )
+
+
+def table_path(fingerprint: dict[str, Any], tp: int, hidden: int, dtype: str) -> Path:
+    name = f"allreduce-{fingerprint_id(fingerprint)}-tp{tp}-h{hidden}-{dtype}.json"
+    return cache_dir() / name
+
+
+def save_table(table: TuningTable) -> Path:
+    path = table_path(table.fingerprint, table.tp, table.hidden, table.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_table(
+    facts: HostFacts, tp: int, hidden: int, dtype: str, gpu_ids: tuple[int, ...] | None = None
+) -> tuple[TuningTable | None, str]:
+    """The table for this host and shape, or None with the reason (missing, stale, unreadable).
+    Never raises: a cache directory that cannot be read (not a directory, no permission) is
+    named in the reason, and the server plans without a table."""
+    fingerprint = host_fingerprint(facts, tp, gpu_ids)
+    path = table_path(fingerprint, tp, hidden, dtype)
+    directory = path.parent
+    names, unreadable = list_cache(directory)
+    if unreadable:
+        return None, f"no tuning table: {unreadable}"
+    if names is None or path.name not in names:
+        others = fnmatch.filter(names or [], f"allreduce-*-tp{tp}-h{hidden}-{dtype}.json")
+        if others:
+            return None, f"tuning table stale: {len(others)} table(s) for other hosts or versions"
+        unwritable = names is not None and not os.access(directory, os.W_OK | os.X_OK)
+        where = f" ({cache_name(directory)} is not writable)" if unwritable else ""
+        return None, f"no tuning table ({path.name}); run `sglang-sm120 tune --tp {tp}`{where}"
+    try:
+        table = TuningTable.from_json(read_json_file(path, TABLE_MAX_BYTES))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        return None, f"tuning table {path} unreadable: {exc}"
+    if table.version != TABLE_VERSION or table.fingerprint != fingerprint:
+        return None, f"tuning table {path.name} stale: written for another host or version"
+    if table.ranks_share_gpu:
+        return None, f"tuning table {path.name} measured with ranks sharing one GPU: not used"
+    return table, f"tuning table {path.name}"
+
+
+# A size leaves the fused backend only by a clear margin: the table times the alternatives with
+# a Triton add+RMSNorm, while a declined fused point runs the all-reduce, a residual copy and
+# SGLang's own norm, which are not timed; and at verify sizes the candidates differ by less
+# than run-to-run noise (2x H200: 0.1-0.6 us at 1-64 tokens).
+UNFUSED_MIN_GAIN = (0.03, 0.5)  # at least 3% and 0.5 us faster
+
+
+# Tuning-table routes served by sgl-kernel-sm120: its fused kernel, or its all-reduce followed
+# by SGLang's own add + RMSNorm. They share its all-reduce: one measured wrong rules out both.
+SM120_PCIE_ROUTES = ("sm120_pcie", "sm120_pcie_unfused")
+
+
+def wrong_backends(table: TuningTable) -> set[str]:
+    """Backends with a result that did not match the reference at any size. A wrong result is
+    evidence against the kernel, not against one size: the same code path serves the sizes
+    around it, so such a backend is not used at any size."""
+    wrong = {m.backend for m in table.measurements if m.us is not None and not m.correct}
+    if wrong & set(SM120_PCIE_ROUTES):
+        wrong |= set(SM120_PCIE_ROUTES)
+    return wrong
+
+
+def correct_times(table: TuningTable) -> dict[tuple[str, int], float]:
+    """(backend, tokens) -> microseconds, for every cell that ran, matched the reference and
+    took a positive, finite time, of a backend never measured wrong (``wrong_backends``)."""
+    wrong = wrong_backends(table)
+    return {
+        (m.backend, m.tokens): m.us
+        for m in table.measurements
+        if m.correct and m.backend not in wrong and m.us is not None and 0 < m.us < math.inf
+    }
+
+
+def winners(
+    table: TuningTable,
+    allowed: Collection[str] | None = None,
+    *,
+    prefer: str | None,
+) -> dict[int, str]:
+    """Per measured token count, the fastest backend whose result was correct, among
+    ``allowed`` (default: all). The fused backend ``prefer`` keeps a size unless another
+    backend beats it by UNFUSED_MIN_GAIN (None: plain fastest). A token count where no allowed
+    backend ran correctly is left out."""
+    best: dict[int, tuple[str, float]] = {}
+    preferred: dict[int, float] = {}
+    for (backend, tokens), us in correct_times(table).items():
+        if allowed is not None and backend not in allowed:
+            continue
+        if backend == prefer:
+            preferred[tokens] = us
+        if tokens not in best or us < best[tokens][1]:
+            best[tokens] = (backend, us)
+    routes = {}
+    for tokens in sorted(best):
+        backend, us = best[tokens]
+        if backend != prefer and tokens in preferred:
+            gain = preferred[tokens] - us
+            ratio, absolute = UNFUSED_MIN_GAIN
+            if gain < ratio * preferred[tokens] or gain < absolute:
+                backend = prefer
+        routes[tokens] = backend
+    return routes
+
+
+def size_ranges(sizes: Iterable[int]) -> str:
+    """'1-64, 128, 256-300': token counts, consecutive ones as a range, so that a table of
+    every size from 1 to 2048 is named in a few characters, not 2048 numbers."""
+    runs: list[list[int]] = []
+    for size in sorted(set(sizes)):
+        if runs and size == runs[-1][1] + 1:
+            runs[-1][1] = size
+        else:
+            runs.append([size, size])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def excluded(table: TuningTable) -> list[str]:
+    """Backends measured wrong on this host, with where: they are never chosen, at any size
+    (``wrong_backends``)."""
+    wrong_at: dict[str, list[int]] = {}
+    for m in table.measurements:
+        if m.us is not None and not m.correct:
+            wrong_at.setdefault(m.backend, []).append(m.tokens)
+    return [
+        f"{backend} (wrong at {size_ranges(sizes)} tokens)"
+        for backend, sizes in sorted(wrong_at.items())
+    ]
