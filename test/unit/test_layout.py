@@ -13,7 +13,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 import sglang_sm120
 
 PACKAGE = "sglang_sm120"
@@ -73,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep) :] + [dep]
+                return [*path[path.index(dep) :], dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         path.pop()

@@ -27,7 +27,7 @@ _WORKER_REPORT = (
     "import json, sglang.srt.managers.scheduler\n"
     "from sglang.srt.plugins import load_plugins\n"
     "load_plugins()\n"
-    "from sglang_sm120.server.plugin import verify_applied\n"
+    "from sglang_sm120.server.status import verify_applied\n"
     "print('WORKER ' + json.dumps(verify_applied()))\n"
 )
 
@@ -48,8 +48,8 @@ def _worker_statuses() -> dict[str, str]:
 def _unvisited_status(module) -> str:
     """A patch only processes doctor does not start use (an Engine process, the DP controller):
     whether this host needs it, without claiming it was applied."""
-    from sglang_sm120.server.plugin import ROLE_NAMES
     from sglang_sm120.server.runtime import sm12x_capability
+    from sglang_sm120.server.status import ROLE_NAMES
 
     reason = module.not_needed(sm12x_capability())
     if reason is not None:
@@ -67,7 +67,8 @@ def _plugin_state() -> dict[str, Any]:
 
     from sglang_sm120.server.contract import check
     from sglang_sm120.server.patches import PATCHES, patch_name
-    from sglang_sm120.server.plugin import declared_contract, verify_applied
+    from sglang_sm120.server.plugin import declared_contract
+    from sglang_sm120.server.status import verify_applied
 
     discovered = any(
         ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
