@@ -9,12 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
+from sglang_sm120.commands.p2p import format_probe
 from sglang_sm120.machine.cache import host_fingerprint
 from sglang_sm120.machine.facts import load_profile
 from sglang_sm120.machine.p2p_probe import (
     ConcurrentTiming,
     PairTiming,
-    format_probe,
     gbps,
     is_collapse,
     link_ratio,

@@ -340,6 +340,7 @@ def test_valid_inputs_pass():
 
 
 def test_fake_ops_give_output_shapes_for_torch_compile_tracing():
+    import sgl_kernel_sm120.ops  # noqa: F401  registers the ops
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -5,13 +5,13 @@ flag choices."""
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 from typing import NoReturn
 
 from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.machine.topology import MAX_NODES
 from sglang_sm120.planning.policy import PLUGIN_BACKEND_CHOICES, PLUGIN_BACKEND_ENV, Deployment
+from sglang_sm120.planning.upstream import FLAG_CHOICES
 from sglang_sm120.version import SGLANG_PIN, __version__
 
 
@@ -90,43 +90,22 @@ def model_arch(text: str) -> str:
     return text
 
 
-#: flags doctor and plan take as SGLang's, checked against SGLang's own parser: ours -> theirs
+#: flags doctor and plan take as SGLang's: ours -> theirs (their choices: planning.upstream)
 UPSTREAM_FLAGS = {
     "fusion_backend": "--flashinfer-allreduce-fusion-backend",
     "moe_a2a_backend": "--moe-a2a-backend",
 }
 
 
-@functools.cache
-def upstream_choices() -> dict[str, list[str]]:
-    """The choices SGLang's own parser gives the UPSTREAM_FLAGS (built from ServerArgs once). A
-    flag SGLang renamed, or one that lost its choices, is left out: it is then not checked,
-    rather than failing every doctor and plan."""
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser(add_help=False)
-    ServerArgs.add_cli_args(parser)
-    actions = parser._option_string_actions  # argparse keeps no public map of its options
-    choices = {}
-    for ours, theirs in UPSTREAM_FLAGS.items():
-        action = actions.get(theirs)
-        if action is not None and action.choices:
-            choices[ours] = [str(choice) for choice in action.choices]
-    return choices
-
-
 def check_upstream_flags(args: argparse.Namespace) -> None:
-    """A value SGLang would refuse is not planned as if it meant something (SGLang's parser
-    is built only where such a flag was given)."""
-    given = {name: getattr(args, name) for name in UPSTREAM_FLAGS}
-    for name, value in given.items():
-        if value is None:
-            continue
-        choices = upstream_choices().get(name)
-        if choices is not None and value not in choices:
-            flag = "--" + name.replace("_", "-")
+    """A value SGLang would refuse is not planned as if it meant something."""
+    for name, flag in UPSTREAM_FLAGS.items():
+        value = getattr(args, name)
+        choices = FLAG_CHOICES[flag]
+        if value is not None and value not in choices:
             raise UsageError(
-                f"{flag} {value[:40]!r} is not one of SGLang's choices ({', '.join(choices)})"
+                f"--{name.replace('_', '-')} {value[:40]!r} is not one of SGLang's choices "
+                f"({', '.join(choices)})"
             )
 
 

@@ -1,22 +1,24 @@
 """``sglang-sm120 plan``: the plan for a machine you are not on (an embedded profile or a
-topology file), and the facts and plan lines ``doctor`` prints too."""
+topology file), and the facts and plan lines ``doctor`` prints too. It imports no SGLang: what
+it needs of upstream is in ``planning.upstream``, proven equal to the installed sglang."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+from collections.abc import Collection
 
 from sglang_sm120.commands.args import (
     add_deployment_args,
     check_tp,
     check_upstream_flags,
     deployment_from_args,
-    require_sglang,
 )
 from sglang_sm120.machine.facts import HostFacts, load_profile, load_topology, profile_names
 from sglang_sm120.machine.host_checks import HostFindings
 from sglang_sm120.planning.policy import AllReducePlan
+from sglang_sm120.planning.upstream import FUSION_ARCHS
 
 
 def plan_for_args(
@@ -25,15 +27,17 @@ def plan_for_args(
     tp_size: int,
     local_tuning: bool = False,
     host: HostFindings | None = None,
+    archs: Collection[str] | None = None,
 ) -> AllReducePlan:
     """The plan a launcher would publish; ``local_tuning`` adds this host's tuning table and
-    ``host`` its findings (doctor, not planning)."""
+    ``host`` its findings (doctor, not planning); ``archs``: the architectures with a fused point
+    (default: the installed sglang's own, which imports SGLang)."""
     from sglang_sm120.server.runtime import plan_to_publish, with_tuning
 
     deployment = dataclasses.replace(deployment_from_args(args, tp_size), host=host)
     if local_tuning:
         deployment = with_tuning(deployment, args.hidden, args.dtype)
-    return plan_to_publish(facts, deployment)[0]
+    return plan_to_publish(facts, deployment, archs)[0]
 
 
 def facts_lines(facts: HostFacts) -> list[str]:
@@ -73,9 +77,8 @@ def plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     facts = load_profile(args.profile) if args.profile else load_topology(args.topology)
     check_tp(facts, args.tp, args.nnodes)
-    require_sglang()
     check_upstream_flags(args)
-    plan = plan_for_args(facts, args, args.tp)
+    plan = plan_for_args(facts, args, args.tp, archs=FUSION_ARCHS)  # no SGLang import: seconds
     if args.json:
         print(json.dumps({**plan.to_json(), "tp": args.tp, "facts_source": facts.source}, indent=1))
     else:

@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import sys
+from collections.abc import Collection
 from typing import Any
 
 from sglang_sm120 import strict_json
@@ -381,13 +382,17 @@ def launch_plan_json(facts: HostFacts, deployment: Deployment, plan: AllReducePl
     return json.dumps(document, separators=(",", ":"))
 
 
-def plan_to_publish(facts: HostFacts, deployment: Deployment) -> tuple[AllReducePlan, str | None]:
+def plan_to_publish(
+    facts: HostFacts, deployment: Deployment, archs: Collection[str] | None = None
+) -> tuple[AllReducePlan, str | None]:
     """The plan for a launch and the launch plan its processes get (None: publish nothing).
+    ``archs``: the architectures with a fused point (default: the installed sglang's own).
 
     The launch plan must fit the environment (LAUNCH_PLAN_MAX_BYTES). A tuning table whose plan
     would not fit is not used: the plan without it, which says why, is published instead; a plan
     that still would not fit is not published, and upstream decides (said as an ERROR)."""
-    plan = plan_allreduce(facts, deployment, fusion_archs())
+    archs = fusion_archs() if archs is None else archs
+    plan = plan_allreduce(facts, deployment, archs)
     published = launch_plan_json(facts, deployment, plan)
     size = len(published.encode())
     if size > LAUNCH_PLAN_MAX_BYTES and deployment.tuning is not None:
@@ -399,7 +404,7 @@ def plan_to_publish(facts: HostFacts, deployment: Deployment) -> tuple[AllReduce
         )
         log_once(logging.WARNING, f"sglang-sm120: {note}")
         deployment = dataclasses.replace(deployment, tuning=None, tuning_note=note)
-        plan = plan_allreduce(facts, deployment, fusion_archs())
+        plan = plan_allreduce(facts, deployment, archs)
         published = launch_plan_json(facts, deployment, plan)
         size = len(published.encode())
     if size > LAUNCH_PLAN_MAX_BYTES:

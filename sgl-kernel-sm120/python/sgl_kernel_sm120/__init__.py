@@ -17,7 +17,9 @@ CUDA graph. Larger (prefill) messages belong to NCCL: the workspace refuses them
     # each rank's calls on its own stream.
     wss = sk.CommWorkspace.create_local(4, max_tokens=256, hidden=7168)
 
-Ops: torch.ops.sgl_kernel_sm120.all_reduce(inp, workspace_id, variant) and
+Ops (registered by ``import sgl_kernel_sm120.ops``, or by the first use of ``all_reduce`` ...
+through the package: the package import itself stays free of torch):
+torch.ops.sgl_kernel_sm120.all_reduce(inp, workspace_id, variant) and
 torch.ops.sgl_kernel_sm120.fused_allreduce_add_rmsnorm(x, residual, weight, eps, workspace_id,
 variant) (variant -1 = by size, 0 one-shot, 1 two-shot). Sizing: `workspace_bytes`. Settings:
 SGLANG_SM120_ONESHOT_MAX_BYTES, _BLOCK_BYTES, _MAX_BLOCKS, _TIMEOUT_MS (see README.md; the old
@@ -40,8 +42,28 @@ from .config import (
     workspace_layout,
 )
 from .errors import CommTimeoutError, InputTooLargeError, LibraryError, WorkspaceError
-from .ops import all_reduce, fused_allreduce_add_rmsnorm, validate_all_reduce, validate_fused
-from .workspace import CommWorkspace, get_workspace
+
+# The ops and the workspace import torch (seconds); they load on first use, so that a process
+# asking only whether the library loads (``_lib``, ``config``: the plugin's planning) stays light.
+_LAZY = {
+    "all_reduce": "ops",
+    "fused_allreduce_add_rmsnorm": "ops",
+    "validate_all_reduce": "ops",
+    "validate_fused": "ops",
+    "CommWorkspace": "workspace",
+    "get_workspace": "workspace",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.5.23.1"
 

@@ -197,6 +197,7 @@ def kernel() -> Any:
     global KERNEL
     if KERNEL is None:
         import sgl_kernel_sm120
+        import sgl_kernel_sm120.ops  # registers torch.ops.sgl_kernel_sm120 before any capture
 
         KERNEL = sgl_kernel_sm120
     return KERNEL
