@@ -146,3 +146,44 @@ def test_register_never_raises(monkeypatch):
     plugin.register()
     assert all(s == "refused (plugin error; see the log)" for s in PATCH_STATUS.values())
     PATCH_STATUS.clear()
+
+
+def test_the_fusion_archs_plan_uses_are_the_installed_sglangs():
+    """``plan`` answers without importing SGLang, from a copy that must stay upstream's table."""
+    from sglang.srt.arg_groups.overrides import _FLASHINFER_ALLREDUCE_FUSION_ARCHS
+    from sglang_sm120.planning.upstream import FUSION_ARCHS
+
+    assert frozenset(_FLASHINFER_ALLREDUCE_FUSION_ARCHS) == FUSION_ARCHS
+
+
+def test_the_flag_choices_doctor_and_plan_check_are_the_installed_sglangs():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang_sm120.commands.args import UPSTREAM_FLAGS
+    from sglang_sm120.planning.upstream import FLAG_CHOICES
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    actions = parser._option_string_actions  # argparse keeps no public map of its options
+    assert set(UPSTREAM_FLAGS.values()) <= set(FLAG_CHOICES)
+    for flag, choices in FLAG_CHOICES.items():
+        assert tuple(str(c) for c in actions[flag].choices) == choices, flag
+
+
+def test_plan_imports_neither_sglang_nor_torch(tmp_path):
+    """What makes plan answer in a second: a refused flag and a plan, in a fresh process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from sglang_sm120.commands.cli import main\n"
+        "for argv in (['plan', '--profile', 'rtx-pro-6000-x8-pcie', '--tp', '8'],\n"
+        "             ['plan', '--profile', 'rtx-pro-6000-x8-pcie', '--tp', '8',\n"
+        "              '--fusion-backend', 'bogus']):\n"
+        "    main(argv)\n"
+        "print(sorted(m for m in ('sglang', 'torch') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:] + proc.stderr[-2000:]
