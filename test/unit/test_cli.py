@@ -320,3 +320,16 @@ def test_plan_with_fusion_backend_auto_follows_the_tp_default(tp, fusion):
     # the user who said auto is told the plan decided, not only "off by default"
     lead = "auto (the plan decides): fusion "
     assert any(r.startswith(lead) for r in plan["reasons"]), plan["reasons"]
+
+
+def test_doctors_forked_worker_check_reports_a_worker_that_cannot_load(monkeypatch):
+    """The TP-worker check runs in a child forked from doctor; a child that fails says why."""
+    import sys
+
+    from sglang_sm120.commands.doctor import start_worker_check
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", None)  # import fails
+    statuses = start_worker_check()()
+    assert list(statuses) == ["(worker)"]
+    assert statuses["(worker)"].startswith("could not load the plugin as a TP worker would: ")
+    assert "sglang.srt.managers.scheduler" in statuses["(worker)"]

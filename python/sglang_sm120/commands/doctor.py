@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import os
+import select
+import signal
 import sys
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 from sglang_sm120.commands.args import (
@@ -15,6 +19,7 @@ from sglang_sm120.commands.args import (
     check_tp,
     check_upstream_flags,
     compute_capability,
+    one_line,
     require_sglang,
 )
 from sglang_sm120.commands.plan import facts_lines, plan_for_args, plan_lines
@@ -23,26 +28,59 @@ from sglang_sm120.machine.host_checks import HostFindings, format_checks
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.version import SGLANG_PIN, __version__
 
-_WORKER_REPORT = (
-    "import json, sglang.srt.managers.scheduler\n"
-    "from sglang.srt.plugins import load_plugins\n"
-    "load_plugins()\n"
-    "from sglang_sm120.server.status import verify_applied\n"
-    "print('WORKER ' + json.dumps(verify_applied()))\n"
-)
+WORKER_TIMEOUT_S = 300
 
 
-def _worker_statuses() -> dict[str, str]:
-    """What a TP worker process applies here: loaded as SGLang's scheduler process loads it
-    (scheduler imported first), in a subprocess, so this process stays a launcher."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _WORKER_REPORT], capture_output=True, text=True, timeout=300
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("WORKER ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"(worker)": f"could not load the plugin as a TP worker would: {tail}"}
-    return json.loads(lines[-1].removeprefix("WORKER "))
+def _worker_report(write_fd: int) -> None:
+    """In the forked child: load plugins as SGLang's scheduler process does (the scheduler
+    module imported first, so the child is judged a TP worker) and write what it applied."""
+    try:
+        import sglang.srt.managers.scheduler  # noqa: F401
+        from sglang.srt.plugins import load_plugins
+
+        from sglang_sm120.server.status import verify_applied
+
+        load_plugins()
+        report = verify_applied()
+    except BaseException as exc:  # reported by the parent, never raised in a forked child
+        report = {
+            "(worker)": f"could not load the plugin as a TP worker would: {one_line(str(exc))}"
+        }
+    with os.fdopen(write_fd, "w") as out:
+        out.write(json.dumps(report))
+
+
+def start_worker_check() -> Callable[[], dict[str, str]]:
+    """Fork a child that checks the plugin as a TP worker loads it; returns the call that waits
+    for its statuses. Forked after this process imported SGLang (the launcher's modules), so
+    SGLang is imported once per doctor run, and before this process loads plugins, so the
+    child starts as a fresh worker would: no plugin loaded, no role decided."""
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: its output would interleave with doctor's
+        os.close(read_fd)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        _worker_report(write_fd)
+        os._exit(0)
+    os.close(write_fd)
+
+    def statuses() -> dict[str, str]:
+        with os.fdopen(read_fd) as pipe:
+            ready, _, _ = select.select([pipe], [], [], WORKER_TIMEOUT_S)
+            text = pipe.read() if ready else ""
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        if text:
+            return json.loads(text)
+        why = f"no answer in {WORKER_TIMEOUT_S} s" if not ready else f"exit status {status}"
+        return {"(worker)": f"could not load the plugin as a TP worker would: {why}"}
+
+    return statuses
 
 
 def _unvisited_status(module) -> str:
@@ -58,9 +96,10 @@ def _unvisited_status(module) -> str:
     return f"needed in the {names} (doctor starts no such process)"
 
 
-def _plugin_state() -> dict[str, Any]:
-    """Load plugins exactly as an SGLang launcher does, then as a TP worker does, and report
-    what each really applied (every hook looked up in its target's applied chain)."""
+def _plugin_state(worker_statuses: Callable[[], dict[str, str]]) -> dict[str, Any]:
+    """Load plugins exactly as an SGLang launcher does, then take what the forked TP worker
+    reported, and report what each really applied (every hook looked up in its target's
+    applied chain)."""
     from importlib.metadata import entry_points
 
     from sglang.srt.plugins import load_plugins
@@ -74,7 +113,7 @@ def _plugin_state() -> dict[str, Any]:
         ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
     )
     load_plugins()
-    by_process = {"launcher": verify_applied(), "TP worker": _worker_statuses()}
+    by_process = {"launcher": verify_applied(), "TP worker": worker_statuses()}
     if not by_process["launcher"]:
         unloaded = "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"
         by_process["launcher"] = {"(none)": unloaded}
@@ -141,6 +180,20 @@ def _probe_lines(findings: HostFindings, gpus: int) -> list[str]:
     return [f"p2p probe: {findings.probe.describe()}", f"  from {findings.probe.path}"]
 
 
+def progress(message: str) -> None:
+    """What doctor is doing, on stderr, so a wait of seconds is not a silence."""
+    print(f"sglang-sm120 doctor: {message}", file=sys.stderr, flush=True)
+
+
+def import_sglang() -> None:
+    """SGLang's launcher-side modules, imported once: the worker check forks from here. The
+    UserWarnings SGLang raises while importing on a machine without a GPU (AWQ, GGUF, Triton)
+    are about upstream's import, not this machine: not shown."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang(\.|$)")
+    import sglang.srt.arg_groups.overrides
+    import sglang.srt.plugins  # noqa: F401
+
+
 def run(args: argparse.Namespace) -> int:
     from sglang_sm120.server.runtime import (
         findings_describe,
@@ -149,18 +202,23 @@ def run(args: argparse.Namespace) -> int:
         validation_mode,
     )
 
+    progress("reading the GPUs, loading SGLang ...")
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
     if facts.gpus:
         check_tp(facts, tp_size, args.nnodes)
     require_sglang()
     check_upstream_flags(args)
+    import_sglang()
+    progress("checking the plugin as the launcher and as a TP worker (forked) load it ...")
+    worker_statuses = start_worker_check()
     findings = host_findings(
         facts, tp_size, args.hidden, tuple(range(min(tp_size, len(facts.gpus)))) or None
     )
     host = findings if findings_describe(facts) else None
     plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host)
-    state = _plugin_state()
+    state = _plugin_state(worker_statuses)
+    progress("reading the kernel images ...")
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
     coverage = _kernel_coverage(capability)
     report = {
