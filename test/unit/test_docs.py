@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,6 +110,64 @@ def test_the_readme_keeps_the_two_commands():
     assert test_command in readme
 
 
+def code_blocks(text: str) -> list[str]:
+    """The contents of every fenced code block, in order."""
+    return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def test_the_readmes_first_command_installs_from_the_checkout_in_a_venv():
+    """A newcomer runs the first block: it must work today (the packages are not on PyPI)."""
+    first = code_blocks((ROOT / "README.md").read_text())[0]
+    assert "python3 -m venv .venv && . .venv/bin/activate" in first
+    assert re.search(r"^pip install \./sgl-kernel-sm120 \.$", first, flags=re.MULTILINE), first
+    assert "pip install sglang-sm120" not in first
+
+
+def test_the_readme_names_the_python_the_package_requires():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    version = project["requires-python"].removeprefix(">=")
+    assert f"Python >= {version}" in (ROOT / "README.md").read_text()
+
+
+def dict_keys(node: ast.AST) -> list[str]:
+    return [key.value for key in node.keys if isinstance(key, ast.Constant)]
+
+
+def doctor_json_keys() -> list[str]:
+    """The top-level keys of `doctor --json`, read from commands/doctor.py: the `report` dict
+    in run() and the dict _plugin_state() returns (merged into it)."""
+    tree = ast.parse((ROOT / "python/sglang_sm120/commands/doctor.py").read_text())
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    keys = []
+    for node in ast.walk(functions["run"]):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "report":
+            keys += dict_keys(node.value)
+    for node in ast.walk(functions["_plugin_state"]):
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Dict):
+            keys += dict_keys(node.value)
+    return keys
+
+
+def test_every_doctor_json_key_is_in_commands_md():
+    keys = doctor_json_keys()
+    assert {"sglang_sm120", "patches", "validation_mode", "p2p_probe"} <= set(keys), keys
+    listing = (ROOT / "docs" / "commands.md").read_text().split("`doctor --json` keys:")[1]
+    listing = listing.split("\n\n")[0]
+    assert [key for key in keys if f"`{key}`" not in listing] == []
+
+
+def test_every_facts_key_is_in_commands_md():
+    from sglang_sm120.machine.facts import load_profile
+
+    row = next(
+        line
+        for line in (ROOT / "docs" / "commands.md").read_text().splitlines()
+        if line.startswith("| `facts` |")
+    )
+    keys = load_profile("rtx-pro-6000-x8-pcie").to_json()
+    assert [key for key in keys if f"`{key}`" not in row] == []
+
+
 def helps(parser: argparse.ArgumentParser, command: str) -> Iterator[tuple[str, str | None]]:
     """(what, its help text) for every option and subcommand, subcommands' options included."""
     for action in parser._actions:
@@ -143,3 +202,15 @@ def test_every_cli_option_and_subcommand_has_help():
         if not (text or "").strip() or text == argparse.SUPPRESS
     ]
     assert unhelped == []
+
+
+def test_every_option_of_every_command_is_in_the_docs():
+    """`--help` is not the only place an option is explained (`p2p --reps` once was)."""
+    text = docs_text()
+    missing = []
+    for what in cli_helps():
+        names = [o for o in what.rsplit(" ", 1)[1].split("/") if o.startswith("--")]
+        if names and "--help" not in names:
+            if not any(re.search(rf"{re.escape(o)}(?![\w-])", text) for o in names):
+                missing.append(what)
+    assert missing == []

@@ -224,6 +224,15 @@ def test_tp8_reasons_cite_the_upstream_regression_and_pcie_ipc():
     assert "#32330" in text and "PCIe-IPC" in text and "NUMA nodes [0, 1]" in text
 
 
+def test_tp8_fusion_reason_states_the_rule_and_both_measurements():
+    """The rule (on by default at TP2 only) and its evidence: the TP2 gain, the TP4 regression."""
+    plan = plan_allreduce(PCIE8, Deployment(8, model_arch=KIMI), ARCHS)
+    reason = next(r for r in plan.reasons if r.startswith("fusion off by default at TP8"))
+    assert "on by default at TP2 only" in reason
+    assert "#3903 measured +2-5% decode at TP2" in reason
+    assert "#32330" in reason and "closed after a TP4 regression" in reason
+
+
 def test_plan_is_pure():
     deployment = Deployment(2, model_arch=KIMI)
     assert plan_allreduce(PCIE8, deployment, ARCHS) == plan_allreduce(PCIE8, deployment, ARCHS)

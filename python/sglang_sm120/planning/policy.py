@@ -14,7 +14,8 @@ Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
   when every GPU pair of the TP group has P2P (the kernel pushes to every peer), with no
   attention-DP and no MoE all-to-all, for model architectures upstream fuses. Turned on by
   default at TP2 only (FlashInfer PR #3903: +2-5% decode at TP2 on SM120); at TP4/TP8 over PCIe
-  it stays off unless asked for (upstream PR #32330 regressed TP4).
+  it stays off unless asked for (upstream PR #32330, which turned it on for SM12x, was closed
+  after a TP4 regression, maintainers asking for opt-in by TP).
 * Plain all-reduce: upstream's FlashInfer PCIe-IPC kernels at TP 2/4/8 on single-node, PCIe-only,
   all-pairs-P2P SM12x hosts, ahead of the fused backend's all-to-all kernel; NCCL otherwise.
 * The user's explicit choices win (``--enforce-disable-flashinfer-allreduce-fusion``, an explicit
@@ -551,8 +552,10 @@ def _default_fusion(facts: HostFacts, d: Deployment) -> tuple[str | None, str]:
             "(opt in with --flashinfer-allreduce-fusion-backend trtllm)"
         )
     return None, (
-        f"fusion off by default at TP{d.tp_size} over PCIe: upstream PR #32330 regressed TP4 "
-        "(opt in with --flashinfer-allreduce-fusion-backend trtllm or "
+        f"fusion off by default at TP{d.tp_size} over PCIe; on by default at TP2 only: "
+        "FlashInfer PR #3903 measured +2-5% decode at TP2 on SM120, and upstream PR #32330 "
+        "(trtllm fusion on SM12x) was closed after a TP4 regression, maintainers asking for "
+        "opt-in by TP (opt in with --flashinfer-allreduce-fusion-backend trtllm or "
         f"{PLUGIN_BACKEND_ENV}=sm120_pcie)"
     )
 
