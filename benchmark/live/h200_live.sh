@@ -11,6 +11,8 @@
 # each writing its JSON and logs to OUT and printing its time:
 #   setup     unpack /tmp/parts into /tmp/site, install both wheels there, print versions
 #   inspect   doctor (text and --json, with and without validation mode), p2p, warmup
+#   gpu       the test/gpu suite (the kernel library required), its summary in gpu-tests.txt
+#   bench     benchmark/bench_cli.py: plan, a refused flag, doctor timed in fresh processes
 #   selftest  FIXTURE ANY_ARCH [EXTRA...]: one selftest --tp 1 (ANY_ARCH 1 or 0)
 #   e2e       the test/e2e suite at TP1 in validation mode (backend auto)
 # Servers get --attention-backend triton: the pack has no FA3 (sglang's SM90 default).
@@ -42,6 +44,17 @@ inspect)
   took "p2p"
   timeout 420 sglang-sm120 warmup > "$OUT/warmup.txt" 2>&1; echo "warmup exit status $?" >> "$OUT/warmup.txt"
   took "warmup"
+  ;;
+gpu)
+  SGLANG_SM120_KERNEL_REQUIRED=1 python3 -m pytest -q -p no:cacheprovider test/gpu -rfE \
+      > "$OUT/gpu-tests.txt" 2>&1
+  echo "pytest exit status $?" >> "$OUT/gpu-tests.txt"
+  took "test/gpu"
+  ;;
+bench)
+  python3 benchmark/bench_cli.py --out "$OUT/bench_cli.json" "$@" > "$OUT/bench_cli.txt" 2>&1
+  echo "exit status $?" >> "$OUT/bench_cli.txt"
+  took "bench_cli"
   ;;
 selftest)
   FIXTURE=${1:?fixture}; ANY=${2:?0 or 1}; shift 2
