@@ -272,7 +272,7 @@ def test_a_tp2_server_is_planned_on_its_own_gpus_findings():
         PCIE8, D(2, model_arch=KIMI, gpu_ids=(2, 3), host=split_findings((2, 3))), ARCHS
     )
     assert theirs.plain_allreduce == "nccl", theirs.reasons
-    assert "host p2p_driver: GPUs 2,3: GPUs 0000:05:00.0, 0000:06:00.0 sit on root ports" in (
+    assert "host p2p_driver: GPUs 2,3: PCI 0000:05:00.0, 0000:06:00.0 sit on root ports" in (
         " | ".join(theirs.reasons)
     )
 

@@ -760,7 +760,7 @@ def check_p2p_driver(host: _Host) -> HostCheck:
         return HostCheck(
             "p2p_driver",
             UNKNOWN,
-            f"GPUs {', '.join(root_ported)} sit on root ports (no PCIe switch), where the "
+            f"PCI {', '.join(root_ported)} sit on root ports (no PCIe switch), where the "
             f"driver's default stages P2P through system memory, and ForceP2P is unknown "
             f"({params_problem}): `sglang-sm120 p2p` measures it" + nvml_note,
             FORCE_P2P_FIX,
@@ -770,7 +770,7 @@ def check_p2p_driver(host: _Host) -> HostCheck:
         return HostCheck(
             "p2p_driver",
             FAIL,
-            f"GPUs {', '.join(root_ported)} sit on root ports (no PCIe switch) and "
+            f"PCI {', '.join(root_ported)} sit on root ports (no PCIe switch) and "
             "RegistryDwords has no ForceP2P: "
             "the driver stages kernel-issued P2P through system memory there, ~15x slower "
             "(`sglang-sm120 p2p` measures it)" + nvml_note,
@@ -780,7 +780,7 @@ def check_p2p_driver(host: _Host) -> HostCheck:
     return HostCheck(
         "p2p_driver",
         OK,
-        f"direct: GPUs {', '.join(gpus)} sit behind PCIe switches{nvml_note}",
+        f"direct: PCI {', '.join(gpus)} sit behind PCIe switches{nvml_note}",
         "",
         evidence,
     )
