@@ -1,6 +1,7 @@
 """One strict reader for every JSON document the package reads from users: topology files, the
 launch plan in the environment, and the tuning tables and p2p probes in the cache directory
-(anyone who can write there can put any file under those names).
+(anyone who can write there can put any file under those names). Its bounded read,
+``read_regular_file``, is also how the host checks read every sysfs/procfs file.
 
 A bad document is a ``JsonInputError`` (a ValueError) whose message is one line saying why, and
 saying it takes bounded time and memory:
@@ -41,6 +42,15 @@ _KINDS = (
 
 class JsonInputError(ValueError):
     """A JSON document that cannot be used; the message is one line."""
+
+
+class UnreadableFile(ValueError):
+    """A file that cannot be read within bounds; the message is one line saying why.
+    ``missing``: it does not exist (which a caller may read as "absent", not as a failure)."""
+
+    def __init__(self, reason: str, missing: bool = False) -> None:
+        super().__init__(reason)
+        self.missing = missing
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -93,18 +103,19 @@ def _size(limit: int) -> str:
     return f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit} bytes"
 
 
-def read_json_file(path: str | os.PathLike[str], max_bytes: int) -> Any:
-    """The JSON document in regular file ``path``; JsonInputError with the reason otherwise
-    (OSError's own words, e.g. "No such file or directory", for a file that cannot be opened)."""
+def read_regular_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The bytes of regular file ``path``, at most ``max_bytes``; ``UnreadableFile`` with the
+    reason otherwise (OSError's own words, e.g. "No such file or directory"). Every file the
+    package reads from users or from sysfs/procfs goes through here: bounded time and memory."""
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
-            raise JsonInputError(f"{_kind(mode)}, not a regular file")
+            raise UnreadableFile(f"{_kind(mode)}, not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
-                raise JsonInputError(f"{_kind(mode)}, not a regular file")
+                raise UnreadableFile(f"{_kind(mode)}, not a regular file")
             chunks, size = [], 0
             while size <= max_bytes:
                 chunk = os.read(fd, max_bytes + 1 - size)
@@ -115,11 +126,22 @@ def read_json_file(path: str | os.PathLike[str], max_bytes: int) -> Any:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise JsonInputError(exc.strerror or str(exc)) from None
+        missing = isinstance(exc, FileNotFoundError)
+        raise UnreadableFile(exc.strerror or str(exc), missing=missing) from None
     if size > max_bytes:
-        raise JsonInputError(f"over {_size(max_bytes)} (the most read)")
+        raise UnreadableFile(f"over {_size(max_bytes)} (the most read)")
+    return b"".join(chunks)
+
+
+def read_json_file(path: str | os.PathLike[str], max_bytes: int) -> Any:
+    """The JSON document in regular file ``path``; JsonInputError with the reason otherwise
+    (OSError's own words, e.g. "No such file or directory", for a file that cannot be opened)."""
     try:
-        text = b"".join(chunks).decode("utf-8")
+        data = read_regular_file(path, max_bytes)
+    except UnreadableFile as exc:
+        raise JsonInputError(str(exc)) from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise JsonInputError(f"not UTF-8 ({exc})") from None
     return loads(text)

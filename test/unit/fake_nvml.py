@@ -86,6 +86,9 @@ class FakeNvml:
     def nvmlDeviceGetGpuMaxPcieLinkGeneration(self, handle: int) -> int:
         return self._gpu(handle)["gpu_max_gen"]
 
+    def nvmlDeviceGetPerformanceState(self, handle: int) -> int:
+        return self._gpu(handle).get("pstate", 8)  # P8: idle
+
     def nvmlDeviceGetCurrPcieLinkWidth(self, handle: int) -> int:
         return self._gpu(handle)["width"]
 

@@ -471,3 +471,140 @@ def test_a_bad_topology_variable_in_a_server_process_is_one_error_and_no_patch()
     ]
     statuses = json.loads(proc.stdout.strip().splitlines()[-1])
     assert statuses == [f"refused ({errors[0].split('applying nothing: ')[1]})"]
+
+
+# ---- issue 27 kinds 1-2: sysfs read with bounds
+# Each row runs `python -m sglang_sm120.machine.host_checks --tp 2 --json` (and one row `doctor`)
+# on a copy of a fixture host whose one file is replaced as the row says, under a time and an
+# address-space limit: it must finish, and the check reading that file says `unknown (reason)`.
+
+HOST_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hosts"
+SYSFS_ENV = "SGLANG_SM120_SYSFS_ROOT"
+HOST_MEMORY_LIMIT = 1 << 30  # the host checks import neither torch nor sglang
+GPU0 = "sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0"
+SWITCH_PORT = "sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0"
+
+# id, fixture host, file (below the root), made into, check, fragment of its unknown detail
+SYSFS_FILE_ROWS = [
+    ("cmdline FIFO", "healthy", "proc/cmdline", "fifo", "iommu", "a FIFO, not a regular file"),
+    ("cmdline /dev/zero", "healthy", "proc/cmdline", "zero", "iommu", "a character device"),
+    ("cmdline of 1 MiB", "healthy", "proc/cmdline", "big", "iommu", "over 4096 bytes"),
+    ("cmdline directory", "healthy", "proc/cmdline", "dir", "iommu", "a directory"),
+    ("group type FIFO", "iommu-on", f"{GPU0}/iommu_group/type", "fifo", "iommu", "a FIFO"),
+    ("gpu vendor FIFO", "healthy", f"{GPU0}/vendor", "fifo", "acs", "vendor: a FIFO"),
+    ("gpu class /dev/zero", "healthy", f"{GPU0}/class", "zero", "acs", "a character device"),
+    ("gpu vendor not UTF-8", "healthy", f"{GPU0}/vendor", "binary", "acs", "not UTF-8"),
+    ("bridge config FIFO", "healthy", f"{SWITCH_PORT}/config", "fifo", "acs", "config: a FIFO"),
+    ("bridge config /dev/zero", "healthy", f"{SWITCH_PORT}/config", "zero", "acs", "character"),
+    ("bridge config of 8 KiB", "healthy", f"{SWITCH_PORT}/config", "big", "acs", "over 4096"),
+    (
+        "driver params FIFO",
+        "direct-staged",
+        "proc/driver/nvidia/params",
+        "fifo",
+        "p2p_driver",
+        "params: a FIFO",
+    ),
+    (
+        "driver params /dev/zero",
+        "direct-staged",
+        "proc/driver/nvidia/params",
+        "zero",
+        "p2p_driver",
+        "a character device",
+    ),
+]
+
+
+def _host_copy(tmp_path: Path, case: str, relative: str, kind: str) -> Path:
+    root = tmp_path / "host"
+    shutil.copytree(HOST_FIXTURES / case, root, symlinks=True)
+    target = root / relative
+    target = target.parent.resolve() / target.name  # below the fixture's own symlinks
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "zero":
+        target.symlink_to("/dev/zero")
+    elif kind == "big":
+        target.write_bytes(b"0" * (1 << 20))
+    elif kind == "dir":
+        target.mkdir()
+    elif kind == "binary":
+        target.write_bytes(b"\xff\xfe0x10de\n")
+    return root
+
+
+def run_host_checks_cli(env: dict, *args: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
+    full_env.update(env)
+    command = args or ("-m", "sglang_sm120.machine.host_checks", "--tp", "2", "--json")
+    return subprocess.run(
+        [sys.executable, *command],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=30,
+        preexec_fn=lambda: resource.setrlimit(
+            resource.RLIMIT_AS, (HOST_MEMORY_LIMIT, HOST_MEMORY_LIMIT)
+        ),
+    )
+
+
+def _checks(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return {c["name"]: c for c in json.loads(proc.stdout)}
+
+
+@pytest.mark.parametrize(
+    ("case", "relative", "kind", "name", "fragment"),
+    [r[1:] for r in SYSFS_FILE_ROWS],
+    ids=[r[0] for r in SYSFS_FILE_ROWS],
+)
+def test_a_sysfs_file_that_cannot_be_read_in_bounds_makes_its_check_unknown(
+    case, relative, kind, name, fragment, tmp_path
+):
+    root = _host_copy(tmp_path, case, relative, kind)
+    check = _checks(run_host_checks_cli({SYSFS_ENV: str(root)}))[name]
+    assert check["status"] == "unknown", check
+    assert fragment in check["detail"] and Path(relative).name in check["detail"], check
+
+
+def test_doctor_on_a_sysfs_root_with_a_fifo_finishes(tmp_path):
+    root = _host_copy(tmp_path, "healthy", "proc/cmdline", "fifo")
+    proc = run_cli("doctor", "--json", env={SYSFS_ENV: str(root)}, timeout=TIME_LIMIT_S)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    iommu = next(c for c in json.loads(proc.stdout)["host_checks"] if c["name"] == "iommu")
+    assert iommu["status"] == "unknown" and "a FIFO" in iommu["detail"], iommu
+
+
+def _empty_dir(tmp_path: Path) -> str:
+    (tmp_path / "empty").mkdir()
+    return str(tmp_path / "empty")
+
+
+def _regular_file(tmp_path: Path) -> str:
+    (tmp_path / "a-file").write_text("sys\n")
+    return str(tmp_path / "a-file")
+
+
+# id, the variable's value (from tmp_path), a fragment of every check's detail
+SYSFS_ROOT_ROWS = [
+    ("missing", lambda t: str(t / "nowhere"), "does not exist"),
+    ("regular file", _regular_file, "not a directory"),
+    ("empty directory", _empty_dir, "holds neither sys/ nor proc/"),
+    ("empty value", lambda t: "", "empty"),
+    ("control characters", lambda t: "/\n\x1b[2J", "\\n\\x1b"),
+    ("not UTF-8", lambda t: os.fsdecode(b"/tmp/\xff\xfe-root"), "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"), [r[1:] for r in SYSFS_ROOT_ROWS], ids=[r[0] for r in SYSFS_ROOT_ROWS]
+)
+def test_a_sysfs_root_that_cannot_be_used_makes_every_check_unknown(value, fragment, tmp_path):
+    checks = _checks(run_host_checks_cli({SYSFS_ENV: value(tmp_path)}))
+    for check in checks.values():
+        assert check["status"] == "unknown", check
+        assert check["detail"].startswith(f"{SYSFS_ENV}="), check
+        assert fragment in check["detail"] and len(check["detail"]) < 200, check

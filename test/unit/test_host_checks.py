@@ -144,7 +144,7 @@ def test_without_a_gpu_the_gpu_checks_say_unknown_no_gpu():
     for name in ("acs", "p2p_driver", "pcie_link", "bar1", "topology", "persistence"):
         assert by_name[name].status == "unknown", by_name[name]
         assert by_name[name].detail.startswith("no GPU ("), by_name[name].detail
-    assert by_name["iommu"].status == "ok"
+    assert by_name["iommu"].status == "unknown"  # no /sys/class/iommu in this dump
 
 
 def test_nvml_errors_make_a_check_unknown_with_the_error_text():
@@ -233,3 +233,121 @@ def test_ipc_workspace_sizes_follow_the_upstream_layouts():
     assert sizes["trtllm"] == comm + (2 << 20) + 3 * comm
     assert sizes["need"] == max(sizes["trtllm"], sizes["sm120_pcie"]) + sizes["pcie_ipc"]
     assert ipc_workspace_bytes(tp=2, hidden=7168)["need"] < sizes["need"]
+
+
+# ---- issue 26.3: a source that cannot be read is "unknown", never "off"
+
+
+def _copy(tmp_path, case: str):
+    root = tmp_path / case
+    shutil.copytree(FIXTURES / case, root, symlinks=True)
+    return root
+
+
+def test_iommu_units_absent_from_sysfs_is_unknown_not_off(tmp_path):
+    """gVisor and some containers show no /sys/class/iommu while the host's IOMMU may be on."""
+    root = _copy(tmp_path, "healthy")
+    shutil.rmtree(root / "sys/class/iommu")
+    check = checks_of("healthy", root=root)["iommu"]
+    assert check.status == "unknown", check
+    assert "/sys/class/iommu" in check.detail and "No such file" in check.detail, check.detail
+
+
+def test_iommu_units_unlistable_is_unknown_with_the_reason(tmp_path, monkeypatch):
+    import sglang_sm120.machine.host_checks as host_checks
+
+    listdir = host_checks.os.listdir
+
+    def denied(path):
+        if str(path).endswith("sys/class/iommu"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(host_checks.os, "listdir", denied)
+    check = checks_of("healthy")["iommu"]
+    assert check.status == "unknown" and "Permission denied" in check.detail, check
+
+
+def test_iommu_class_present_and_empty_is_off(tmp_path):
+    root = _copy(tmp_path, "healthy")
+    shutil.rmtree(root / "sys/class/iommu")
+    (root / "sys/class/iommu").mkdir()
+    check = checks_of("healthy", root=root)["iommu"]
+    assert check.status == "ok" and "no IOMMU units" in check.detail, check
+
+
+def test_iommu_absent_but_off_on_the_kernel_command_line_is_off(tmp_path):
+    root = _copy(tmp_path, "healthy")
+    shutil.rmtree(root / "sys/class/iommu")
+    (root / "proc/cmdline").write_text("BOOT_IMAGE=/vmlinuz ro intel_iommu=off\n")
+    check = checks_of("healthy", root=root)["iommu"]
+    assert check.status == "ok" and "intel_iommu=off" in check.detail, check
+
+
+def test_a_bridge_config_that_cannot_be_read_leaves_acs_unknown_not_ok(tmp_path):
+    root = _copy(tmp_path, "healthy")
+    config = (root / "sys/bus/pci/devices/0000:02:00.0").resolve() / "config"
+    config.unlink()
+    check = checks_of("healthy", root=root)["acs"]
+    assert check.status == "unknown" and "0000:02:00.0" in check.detail, check
+
+
+# ---- issue 26.4: pcie_link against the platform's maximum, under load
+
+
+def _with_gpus(case: str, **changes) -> FakeNvml:
+    spec = _spec(case)
+    spec["gpus"] = [{**g, **changes} for g in spec["gpus"]]
+    return FakeNvml(spec)
+
+
+def test_gen5_gpus_at_a_gen4_platforms_maximum_are_ok():
+    """NVML's MaxPcieLinkGeneration is what device and system both do: 4 on a Gen4 platform."""
+    nvml = _with_gpus("healthy", gen=4, max_gen=4, gpu_max_gen=5, pstate=0)
+    check = checks_of("healthy", nvml=nvml)["pcie_link"]
+    assert check.status == "ok", check
+    assert "Gen4 x16" in check.detail and "platform" in check.detail, check.detail
+
+
+def test_a_link_below_its_maximum_under_load_is_downtrained():
+    nvml = _with_gpus("healthy", gen=3, max_gen=5, gpu_max_gen=5, pstate=0)
+    check = checks_of("healthy", nvml=nvml)["pcie_link"]
+    assert check.status == "fail", check
+    assert "GPU0 at Gen3 of Gen5 while busy (P0)" in check.detail, check.detail
+
+
+def test_an_idle_link_downclocked_for_power_saving_is_not_flagged():
+    nvml = _with_gpus("healthy", gen=1, max_gen=5, gpu_max_gen=5, pstate=8)
+    check = checks_of("healthy", nvml=nvml)["pcie_link"]
+    assert check.status == "ok" and "idle power saving" in check.detail, check
+
+
+# ---- issue 26.2: findings about the TP group's GPUs only
+
+
+def test_checks_judge_only_the_tp_groups_gpus():
+    whole = checks_of("split-switch-root", tp=4)
+    assert {whole[n].status for n in ("p2p_driver", "pcie_link", "persistence")} != {"ok"}
+    group = checks_of("split-switch-root", tp=2, gpu_ids=(0, 1))
+    assert {c.status for c in group.values()} == {"ok"}, group
+    assert all("GPUs 0,1" in c.detail for c in group.values()), group
+    other = checks_of("split-switch-root", tp=2, gpu_ids=(2, 3))
+    assert other["p2p_driver"].status == "fail" and "GPUs 2,3" in other["p2p_driver"].detail
+    assert "0000:05:00.0" in other["p2p_driver"].detail
+    assert "GPU2 runs x8 of x16" in other["pcie_link"].detail
+    assert "GPUs 3" in other["persistence"].detail
+    assert other["topology"].matrix == (("X", "PHB"), ("PHB", "X"))
+    assert "GPU2  GPU3" in "\n".join(format_checks([other["topology"]]))
+
+
+def test_without_nvml_the_tp_groups_gpus_are_taken_in_pci_order():
+    group = checks_of("split-switch-root", tp=2, gpu_ids=(0, 1), skip_nvml="a profile")
+    assert group["p2p_driver"].status == "ok" and "0000:04:00.0" in group["p2p_driver"].detail
+    other = checks_of("split-switch-root", tp=2, gpu_ids=(2, 3), skip_nvml="a profile")
+    assert other["p2p_driver"].status == "fail" and "0000:06:00.0" in other["p2p_driver"].detail
+
+
+def test_gpu_ids_past_the_visible_gpus_leave_the_gpu_checks_unknown():
+    checks = checks_of("healthy", tp=2, gpu_ids=(2, 3))
+    for name in ("p2p_driver", "pcie_link", "bar1", "topology", "persistence"):
+        assert checks[name].status == "unknown" and "GPUs 2,3" in checks[name].detail

@@ -160,7 +160,7 @@ def test_launcher_plans_with_the_host_findings_and_workers_follow(deepseek):
         launch([sys.executable, "-m", "sglang.launch_server"], deepseek, env)
     )
     assert plan.startswith("fusion=off, plain all-reduce=pcie_ipc; ")
-    assert "host acs: ACS redirect on PCIe switch ports" in plan
+    assert "host acs: GPUs 0,1: ACS redirect on PCIe switch ports" in plan
     assert "one-shot push all-reduce disfavoured; PCIe-IPC (staged)" in plan
     assert "(fix: disable ACS in the BIOS" in plan
 

@@ -188,7 +188,7 @@ ROWS = [
         D(2, model_arch=KIMI, host=fixture("acs-root-ports")),
         "trtllm",
         "pcie_ipc",
-        ("host acs: ACS redirect on root ports", "pci=disable_acs_redir"),
+        ("host acs: GPUs 0,1: ACS redirect on root ports", "pci=disable_acs_redir"),
     ),
     (
         "IOMMU translating: cited with iommu=pt, plan unchanged",
@@ -250,3 +250,40 @@ def test_without_findings_the_plan_is_the_one_it_was():
 def test_findings_keep_the_plan_pure():
     d = D(2, model_arch=KIMI, host=fixture("acs-on"))
     assert plan_allreduce(PCIE8, d, ARCHS) == plan_allreduce(PCIE8, d, ARCHS)
+
+
+# ---- issue 26.2: a TP group is planned on findings about its own GPUs
+SPLIT = "split-switch-root"  # GPUs 0,1 behind one switch; 2,3 on root ports without ForceP2P
+
+
+def split_findings(gpu_ids: tuple[int, ...]) -> HostFindings:
+    nvml = FakeNvml.of(SPLIT)
+    return HostFindings(run_host_checks(2, 7168, gpu_ids=gpu_ids, root=FIXTURES / SPLIT, nvml=nvml))
+
+
+def test_a_tp2_server_is_planned_on_its_own_gpus_findings():
+    healthy = plan_allreduce(PCIE8, D(2, model_arch=KIMI, host=fixture("healthy")), ARCHS)
+    ours = plan_allreduce(
+        PCIE8, D(2, model_arch=KIMI, gpu_ids=(0, 1), host=split_findings((0, 1))), ARCHS
+    )
+    assert (ours.fusion_backend, ours.plain_allreduce) == ("trtllm", "pcie_ipc"), ours.reasons
+    assert ours.reasons == healthy.reasons
+    theirs = plan_allreduce(
+        PCIE8, D(2, model_arch=KIMI, gpu_ids=(2, 3), host=split_findings((2, 3))), ARCHS
+    )
+    assert theirs.plain_allreduce == "nccl", theirs.reasons
+    assert "host p2p_driver: GPUs 2,3: PCI 0000:05:00.0, 0000:06:00.0 sit on root ports" in (
+        " | ".join(theirs.reasons)
+    )
+
+
+def test_the_server_reads_host_findings_for_its_tp_group_only(monkeypatch):
+    """What the launcher runs (runtime.host_findings): a profile with a sysfs dump, no NVML."""
+    from sglang_sm120.server.runtime import host_findings
+
+    monkeypatch.setenv("SGLANG_SM120_SYSFS_ROOT", str(FIXTURES / SPLIT))
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", "/nonexistent-cache")
+    ours = host_findings(PCIE8, 2, 7168, (0, 1)).check("p2p_driver")
+    assert ours.status == "ok" and ours.gpus == (0, 1), ours
+    theirs = host_findings(PCIE8, 2, 7168, (2, 3)).check("p2p_driver")
+    assert theirs.status == "fail" and theirs.gpus == (2, 3), theirs

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sm120.machine.topology import TopologyError, check_topology
-from sglang_sm120.strict_json import read_json_file
+from sglang_sm120.strict_json import read_json_file, read_regular_file
 
 TOPOLOGY_ENV = "SGLANG_SM120_TOPOLOGY"
 # A topology of 64 GPUs with a full P2P matrix takes ~25 KiB; anything near this is not one.
@@ -241,9 +241,9 @@ def sysfs_bus_id(nvml_bus_id: Any) -> str:
 
 def _numa_node(nvml: Any, handle: Any) -> int | None:
     sysfs_id = sysfs_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId)
-    try:
-        node = int(Path(f"/sys/bus/pci/devices/{sysfs_id}/numa_node").read_text())
-    except (OSError, ValueError):
+    try:  # bounded, regular files only (strict_json): sysfs is read like every other input
+        node = int(read_regular_file(f"/sys/bus/pci/devices/{sysfs_id}/numa_node", 64))
+    except ValueError:  # UnreadableFile, or not a number
         return None
     return node if node >= 0 else None
 

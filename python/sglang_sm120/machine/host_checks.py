@@ -17,9 +17,17 @@ says ok / warn / fail / unknown, and names the fix. Facts-level: nothing is deci
     persistence  NVML persistence mode
 
 sysfs and procfs are read below one root, ``SGLANG_SM120_SYSFS_ROOT`` (default ``/``), so tests
-and other machines' dumps are read like this one (``test/fixtures/hosts/<case>/``). NVML is a
-parameter: a pynvml-like module (tests pass a fake of the hardware); every call is wrapped, an
-NVMLError or a function missing from an older nvidia-ml-py makes that check ``unknown``.
+and other machines' dumps are read like this one (``test/fixtures/hosts/<case>/``). A root that
+cannot be one (missing, a file, empty, a name with control characters or not UTF-8) makes every
+check ``unknown`` naming the variable. Every file is read through ``strict_json.
+read_regular_file``: regular files only, opened non-blocking, a few KiB at most, so a FIFO or a
+link to /dev/zero in a dump cannot hang or grow a check. A file or directory that cannot be read
+makes its check ``unknown (reason)``, never "off". NVML is a parameter: a pynvml-like module
+(tests pass a fake of the hardware); every call is wrapped, an NVMLError or a function missing
+from an older nvidia-ml-py makes that check ``unknown``.
+
+The checks judge the TP group's GPUs only (``gpu_ids``, CUDA indices; default every visible GPU),
+and each finding says which: GPUs 2,3 on root ports are no finding for a server on GPUs 0,1.
 
 Example::
 
@@ -32,11 +40,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from sglang_sm120.machine.facts import sysfs_bus_id, visible_nvml_indices
+from sglang_sm120.strict_json import UnreadableFile, read_regular_file
 
 SYSFS_ROOT_ENV = "SGLANG_SM120_SYSFS_ROOT"
 OK, WARN, FAIL, UNKNOWN = "ok", "warn", "fail", "unknown"
@@ -73,6 +82,16 @@ TOPOLOGY_LEGEND = (
 )
 CROSS_SOCKET = 50
 
+# The most read of each file: a PCI Express function's whole config space, a small sysfs/procfs
+# text file (vendor, class, iommu group type; /proc/cmdline is at most 4096 bytes on x86), and
+# /proc/driver/nvidia/params (~2 KiB with every key).
+CONFIG_SPACE_BYTES = 4096
+SMALL_FILE_BYTES = 4096
+PARAMS_BYTES = 64 << 10
+# NVML performance states up to P2 run work (P0 full, P2 compute); an idle GPU sits at P8 and
+# lowers its link generation to save power until traffic starts.
+BUSY_PSTATE = 2
+
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
@@ -86,10 +105,12 @@ class HostCheck:
     fix: str = ""
     evidence: str = ""
     matrix: tuple[tuple[str, ...], ...] = ()  # topology: one row of labels per GPU
+    gpus: tuple[int, ...] = ()  # the GPUs (CUDA indices) judged: the matrix's rows
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["matrix"] = [list(row) for row in self.matrix]
+        data["gpus"] = list(self.gpus)
         return data
 
     @classmethod
@@ -180,8 +201,43 @@ class HostFindings:
 
 
 def sysfs_root() -> Path:
-    """Where sysfs and procfs are read: ``SGLANG_SM120_SYSFS_ROOT``, default ``/``."""
-    return Path(os.environ.get(SYSFS_ROOT_ENV) or "/")
+    """Where sysfs and procfs are read: ``SGLANG_SM120_SYSFS_ROOT``, default ``/``
+    (``sysfs_root_problem`` says whether it can be used)."""
+    raw = os.environ.get(SYSFS_ROOT_ENV)
+    return Path("/" if raw is None else raw)
+
+
+def _shown(text: str) -> str:
+    """A value as a message shows it: escaped (control characters, bytes that are not UTF-8)
+    and cut at 40 characters."""
+    shown = repr(text)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def sysfs_root_problem() -> str | None:
+    """Why ``SGLANG_SM120_SYSFS_ROOT`` cannot be a root of sysfs and procfs, as one line naming
+    the variable; None when it is unset or can be used."""
+    raw = os.environ.get(SYSFS_ROOT_ENV)
+    if raw is None:
+        return None
+    why = None
+    if not raw:
+        why = "empty (unset it to read this machine's /sys and /proc)"
+    elif any("\udc80" <= c <= "\udcff" for c in raw):
+        why = "not UTF-8"
+    elif not raw.isprintable():
+        why = "holds control characters"
+    else:
+        try:
+            if not Path(raw).is_dir():
+                why = "not a directory" if Path(raw).exists() else "does not exist"
+            elif not any((Path(raw) / sub).is_dir() for sub in ("sys", "proc")):
+                why = "holds neither sys/ nor proc/ (a dump of /sys and /proc is wanted)"
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+    if why is None:
+        return None
+    return f"{SYSFS_ROOT_ENV}={_shown(raw)} refused: {why}"
 
 
 # ------------------------------------------------------------------------- BAR1 arithmetic
@@ -248,18 +304,8 @@ class _Unknown(Exception):
     """A check cannot tell: its message becomes the check's detail."""
 
 
-def _read_text(root: Path, relative: str) -> str | None:
-    try:
-        return (root / relative.lstrip("/")).read_text(errors="replace")
-    except (OSError, ValueError):
-        return None
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
+def _gpu_list(labels: Sequence[int]) -> str:
+    return ",".join(map(str, labels))
 
 
 def _call(nvml: Any, name: str, *args: Any) -> Any:
@@ -282,31 +328,79 @@ class _Host:
     hidden: int
     decode_rows: int
     probe: P2PSummary | None
+    gpu_ids: tuple[int, ...] | None = None  # the TP group (CUDA indices); None: every GPU
     nvml: Any = None
     no_nvml: str = ""  # why there is no NVML (the GPU checks' unknown reason)
+    out_of_range: str = ""  # why the TP group's GPUs are not there
     handles: list[Any] = field(default_factory=list)
     bus_ids: list[str] = field(default_factory=list)  # sysfs names, CUDA order
+    labels: list[int] = field(default_factory=list)  # the handles' CUDA indices
 
     def need_gpus(self) -> None:
         if not self.handles:
             raise _Unknown(f"no GPU ({self.no_nvml or 'NVML sees none'})")
 
+    def shown(self, path: Path) -> str:
+        """A path below the root as the machine names it (/proc/cmdline), escaped."""
+        for root in (self.root, Path(os.path.realpath(self.root))):
+            try:
+                path = Path("/") / path.relative_to(root)
+                break
+            except ValueError:
+                continue
+        return repr(str(path))[1:-1]
+
+    def read(
+        self, path: Path | str, max_bytes: int = SMALL_FILE_BYTES, optional: bool = False
+    ) -> bytes | None:
+        """The bytes of one sysfs/procfs file (``path``: relative to the root, or a Path below
+        it), at most ``max_bytes``; None for a missing ``optional`` file; ``_Unknown`` naming
+        the file and the reason otherwise (a FIFO, a device, too large, unreadable)."""
+        path = self.root / path.lstrip("/") if isinstance(path, str) else path
+        try:
+            return read_regular_file(path, max_bytes)
+        except UnreadableFile as exc:
+            if optional and exc.missing:
+                return None
+            raise _Unknown(f"{self.shown(path)}: {exc}") from None
+
+    def read_text(
+        self, path: Path | str, max_bytes: int = SMALL_FILE_BYTES, optional: bool = False
+    ) -> str | None:
+        """``read``, as UTF-8 text (``_Unknown`` when it is not)."""
+        data = self.read(path, max_bytes, optional)
+        try:
+            return None if data is None else data.decode("utf-8")
+        except UnicodeDecodeError:
+            path = self.root / path.lstrip("/") if isinstance(path, str) else path
+            raise _Unknown(f"{self.shown(path)}: not UTF-8") from None
+
     def sysfs_gpus(self) -> list[str]:
-        """The GPUs' PCI addresses: NVML's visible GPUs, else every NVIDIA display device."""
+        """The TP group's PCI addresses: from NVML, else the NVIDIA display devices in sysfs in
+        PCI order (NVML's order) at the group's positions. ``_Unknown`` when sysfs cannot say."""
+        if self.out_of_range:
+            raise _Unknown(self.out_of_range)
         if self.bus_ids:
             return self.bus_ids
         devices = self.root / "sys/bus/pci/devices"
         try:
-            entries = sorted(os.listdir(devices))
-        except OSError:
-            return []
+            entries = sorted(e for e in os.listdir(devices) if _BDF.match(e))
+        except OSError as exc:
+            raise _Unknown(f"/sys/bus/pci/devices unreadable ({exc.strerror or exc})") from None
         found = []
         for entry in entries:
-            vendor = (_read_text(devices, f"{entry}/vendor") or "").strip().lower()
-            klass = (_read_text(devices, f"{entry}/class") or "").strip().lower()
-            if vendor == "0x10de" and klass.startswith(("0x0300", "0x0302")):
+            vendor = (self.read_text(devices / entry / "vendor", optional=True) or "").strip()
+            klass = (self.read_text(devices / entry / "class", optional=True) or "").strip()
+            if vendor.lower() == "0x10de" and klass.lower().startswith(("0x0300", "0x0302")):
                 found.append(entry)
-        return found
+        if self.gpu_ids is None:
+            self.labels = self.labels or list(range(len(found)))
+            return found
+        if any(i >= len(found) for i in self.gpu_ids):
+            wanted = _gpu_list(self.gpu_ids)
+            raise _Unknown(f"GPUs {wanted} are not among the {len(found)} NVIDIA GPUs in sysfs")
+        self.labels = list(self.gpu_ids)
+        return [found[i] for i in self.gpu_ids]
 
     def bridges_above(self, bdf: str) -> list[Path] | None:
         """The sysfs directories of the PCIe bridges between the root complex and this device,
@@ -331,16 +425,23 @@ def _open_nvml(host: _Host, nvml: Any) -> None:
     try:
         count = _call(nvml, "nvmlDeviceGetCount")
         indices = visible_nvml_indices(count, nvml)
-        host.handles = [_call(nvml, "nvmlDeviceGetHandleByIndex", i) for i in indices]
-        if not host.handles:
+        if not indices:
             host.no_nvml = "NVML sees none"
             return
+        wanted = host.gpu_ids if host.gpu_ids is not None else tuple(range(len(indices)))
+        if any(i >= len(indices) for i in wanted):
+            host.no_nvml = host.out_of_range = (
+                f"GPUs {_gpu_list(wanted)} are not among the {len(indices)} GPUs NVML sees"
+            )
+            return
+        host.handles = [_call(nvml, "nvmlDeviceGetHandleByIndex", indices[i]) for i in wanted]
+        host.labels = list(wanted)
         host.bus_ids = [
             sysfs_bus_id(_call(nvml, "nvmlDeviceGetPciInfo", h).busId) for h in host.handles
         ]
     except Exception as exc:  # _Unknown, or CUDA_VISIBLE_DEVICES naming what NVML lacks
         host.no_nvml = f"NVML query failed: {exc}"
-        host.handles, host.bus_ids = [], []
+        host.handles, host.bus_ids, host.labels = [], [], []
 
 
 # -------------------------------------------------------------------------------- checks
@@ -348,27 +449,41 @@ def _open_nvml(host: _Host, nvml: Any) -> None:
 
 def check_iommu(host: _Host) -> HostCheck:
     evidence = "/sys/class/iommu, /proc/cmdline, /sys/bus/pci/devices/<gpu>/iommu_group/type"
-    try:
-        units = sorted(os.listdir(host.root / "sys/class/iommu"))
-    except OSError:
-        units = []
-    cmdline = (_read_text(host.root, "proc/cmdline") or "").split()
-    off = {"iommu=off", "intel_iommu=off", "amd_iommu=off"} & set(cmdline)
-    passthrough_cmdline = {"iommu=pt", "iommu.passthrough=1"} & set(cmdline)
     fix = (
         "boot with iommu=pt (passthrough: GPU DMA untranslated, the IOMMU kept for devices "
         "that need it), or turn the IOMMU off in the BIOS where nothing needs it"
     )
+    try:
+        return _iommu(host, evidence, fix)
+    except _Unknown as exc:
+        return HostCheck("iommu", UNKNOWN, str(exc), "", evidence)
+
+
+def _iommu(host: _Host, evidence: str, fix: str) -> HostCheck:
+    cmdline = set((host.read_text("proc/cmdline") or "").split())
+    off = {"iommu=off", "intel_iommu=off", "amd_iommu=off"} & cmdline
+    passthrough_cmdline = {"iommu=pt", "iommu.passthrough=1"} & cmdline
+    how = f" ({' '.join(sorted(off))} on the kernel command line)" if off else ""
+    try:
+        units = sorted(os.listdir(host.root / "sys/class/iommu"))
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if off:
+            return HostCheck("iommu", OK, f"off{how}; /sys/class/iommu: {reason}", "", evidence)
+        raise _Unknown(
+            f"/sys/class/iommu: {reason} (a container or sandbox such as gVisor hides it while "
+            "the host's IOMMU may be on: `ls /sys/class/iommu` on the host tells)"
+        ) from None
     if not units:
-        how = f" ({' '.join(sorted(off))} on the kernel command line)" if off else ""
         return HostCheck("iommu", OK, f"off: no IOMMU units in /sys/class/iommu{how}", "", evidence)
     types: dict[str, list[str]] = {}
     for bdf in host.sysfs_gpus():
-        kind = _read_text(host.root, f"sys/bus/pci/devices/{bdf}/iommu_group/type")
+        kind = host.read_text(f"sys/bus/pci/devices/{bdf}/iommu_group/type", optional=True)
         if kind is not None:
             types.setdefault(kind.strip(), []).append(bdf)
     translated = {t: g for t, g in types.items() if t.startswith("DMA")}
-    where = f"enabled ({', '.join(units[:4])}{' ...' if len(units) > 4 else ''})"
+    listed = ", ".join(repr(unit)[1:-1] for unit in units[:4])
+    where = f"enabled ({listed}{' ...' if len(units) > 4 else ''})"
     if translated:
         groups = "; ".join(f"{t} for {', '.join(g)}" for t, g in translated.items())
         return HostCheck(
@@ -422,7 +537,10 @@ def _acs_flags(control: int) -> str:
 
 def check_acs(host: _Host) -> HostCheck:
     evidence = "/sys/bus/pci/devices/<bridge>/config (ACS extended capability 0x000D)"
-    gpus = host.sysfs_gpus()
+    try:
+        gpus = host.sysfs_gpus()
+    except _Unknown as exc:
+        return HostCheck("acs", UNKNOWN, str(exc), "", evidence)
     if not gpus:
         return HostCheck("acs", UNKNOWN, "no GPU (no NVIDIA device in sysfs)", "", evidence)
     bridges: dict[Path, bool] = {}  # bridge -> is a switch port (has a bridge above it)
@@ -433,13 +551,18 @@ def check_acs(host: _Host) -> HostCheck:
     if not bridges:
         return HostCheck("acs", UNKNOWN, "no PCIe bridge above the GPUs in sysfs", "", evidence)
     redirect: dict[str, list[str]] = {"switch": [], "root": []}
-    unreadable: list[str] = []
+    root_only: list[str] = []  # config space cut at 64 bytes: readable past that by root only
+    unreadable: list[str] = []  # the reason, naming the file
     for bridge, is_switch_port in sorted(bridges.items()):
-        config = _read_bytes(bridge / "config")
         try:
-            control = acs_control(config or b"")
-        except _Unknown:
-            unreadable.append(bridge.name)
+            config = host.read(bridge / "config", CONFIG_SPACE_BYTES) or b""
+        except _Unknown as exc:
+            unreadable.append(str(exc))
+            continue
+        try:
+            control = acs_control(config)
+        except _Unknown as exc:
+            root_only.append(str(exc))
             continue
         if control is not None and control & ACS_REDIRECT:
             redirect["switch" if is_switch_port else "root"].append(
@@ -450,10 +573,10 @@ def check_acs(host: _Host) -> HostCheck:
         "pci=disable_acs_redir=<bridge>;<bridge> (Linux 5.1+) naming the bridges listed"
     )
     skipped = (
-        f"; {len(unreadable)} bridge(s) unreadable without root (`sudo sglang-sm120 doctor`)"
-        if unreadable
+        f"; {len(root_only)} bridge(s) unreadable without root (`sudo sglang-sm120 doctor`)"
+        if root_only
         else ""
-    )
+    ) + (f"; {len(unreadable)} unreadable ({unreadable[0]})" if unreadable else "")
     if redirect["switch"]:
         return HostCheck(
             "acs",
@@ -473,7 +596,8 @@ def check_acs(host: _Host) -> HostCheck:
             fix,
             evidence,
         )
-    if len(unreadable) == len(bridges):
+    read = len(bridges) - len(root_only) - len(unreadable)
+    if len(root_only) == len(bridges):
         return HostCheck(
             "acs",
             UNKNOWN,
@@ -483,11 +607,19 @@ def check_acs(host: _Host) -> HostCheck:
             "",
             evidence,
         )
+    if root_only or unreadable:  # what was not read may redirect: no verdict
+        return HostCheck(
+            "acs",
+            UNKNOWN,
+            f"no ACS redirect on the {read} bridges read, but not every bridge above the GPUs "
+            "was" + skipped,
+            "",
+            evidence,
+        )
     return HostCheck(
         "acs",
         OK,
-        f"no ACS redirect on the {len(bridges) - len(unreadable)} bridges above "
-        f"{len(gpus)} GPUs{skipped}",
+        f"no ACS redirect on the {len(bridges)} bridges above {len(gpus)} GPUs",
         "",
         evidence,
     )
@@ -525,7 +657,8 @@ def _p2p_blocked_pairs(host: _Host) -> list[str]:
                     nvml, "nvmlDeviceGetP2PStatus", host.handles[a], host.handles[b], cap
                 )
                 if status != getattr(nvml, "NVML_P2P_STATUS_OK", 0):
-                    blocked.append(f"{a}-{b} ({what}: status {status})")
+                    pair = f"{host.labels[a]}-{host.labels[b]}"
+                    blocked.append(f"{pair} ({what}: status {status})")
     return blocked
 
 
@@ -546,13 +679,18 @@ def check_p2p_driver(host: _Host) -> HostCheck:
         "/proc/driver/nvidia/params (RegistryDwords), sysfs device paths (attachment), "
         "nvmlDeviceGetP2PStatus, the cached `sglang-sm120 p2p` probe"
     )
-    params = _read_text(host.root, "proc/driver/nvidia/params")
-    gpus = host.sysfs_gpus()
+    try:
+        params = host.read_text("proc/driver/nvidia/params", PARAMS_BYTES, optional=True)
+        params_problem = "" if params is not None else "/proc/driver/nvidia/params missing"
+    except _Unknown as exc:
+        params, params_problem = None, str(exc)
+    try:
+        gpus = host.sysfs_gpus()
+    except _Unknown as exc:
+        return HostCheck("p2p_driver", UNKNOWN, str(exc), "", evidence)
     count = len(host.handles) or len(gpus)
     if count == 0:
-        driver = (
-            "" if params is not None else ", no NVIDIA driver: /proc/driver/nvidia/params missing"
-        )
+        driver = f", no NVIDIA driver: {params_problem}" if params_problem else ""
         return HostCheck(
             "p2p_driver", UNKNOWN, f"no GPU ({host.no_nvml or 'none in sysfs'}{driver})"
         )
@@ -622,9 +760,9 @@ def check_p2p_driver(host: _Host) -> HostCheck:
         return HostCheck(
             "p2p_driver",
             UNKNOWN,
-            f"GPUs {', '.join(root_ported)} sit on root ports (no PCIe switch), where the "
-            "driver's default stages P2P through system memory, and /proc/driver/nvidia/params "
-            "is unreadable: `sglang-sm120 p2p` measures it" + nvml_note,
+            f"PCI {', '.join(root_ported)} sit on root ports (no PCIe switch), where the "
+            f"driver's default stages P2P through system memory, and ForceP2P is unknown "
+            f"({params_problem}): `sglang-sm120 p2p` measures it" + nvml_note,
             FORCE_P2P_FIX,
             evidence,
         )
@@ -632,7 +770,7 @@ def check_p2p_driver(host: _Host) -> HostCheck:
         return HostCheck(
             "p2p_driver",
             FAIL,
-            f"GPUs {', '.join(root_ported)} sit on root ports (no PCIe switch) and "
+            f"PCI {', '.join(root_ported)} sit on root ports (no PCIe switch) and "
             "RegistryDwords has no ForceP2P: "
             "the driver stages kernel-issued P2P through system memory there, ~15x slower "
             "(`sglang-sm120 p2p` measures it)" + nvml_note,
@@ -642,15 +780,30 @@ def check_p2p_driver(host: _Host) -> HostCheck:
     return HostCheck(
         "p2p_driver",
         OK,
-        f"direct: the {len(gpus)} GPUs sit behind PCIe switches{nvml_note}",
+        f"direct: PCI {', '.join(gpus)} sit behind PCIe switches{nvml_note}",
         "",
         evidence,
     )
 
 
+def _busy_pstate(host: _Host, handle: Any) -> int | None:
+    """The GPU's performance state when it is running work (P0..P2), else None (idle, or NVML
+    cannot tell)."""
+    try:
+        state = int(_call(host.nvml, "nvmlDeviceGetPerformanceState", handle))
+    except (_Unknown, TypeError, ValueError):
+        return None
+    return state if 0 <= state <= BUSY_PSTATE else None
+
+
 def check_pcie_link(host: _Host) -> HostCheck:
+    """Each link against what it can train at. NVML's MaxPcieLinkGeneration is what the GPU
+    and the platform both do (4 for a Gen5 GPU on a Gen4 platform): GPUs all at their platform's
+    maximum are fine. A link below that maximum is a fault when the GPU is busy; an idle GPU
+    lowers its link generation to save power."""
     evidence = (
-        "nvmlDeviceGet{Curr,Max,GpuMax}PcieLinkGeneration, nvmlDeviceGet{Curr,Max}PcieLinkWidth"
+        "nvmlDeviceGet{Curr,Max,GpuMax}PcieLinkGeneration, nvmlDeviceGet{Curr,Max}PcieLinkWidth, "
+        "nvmlDeviceGetPerformanceState"
     )
     fix = (
         "reseat the GPU, replace the riser or cable, set the slot to Gen5/auto in the BIOS; "
@@ -658,8 +811,8 @@ def check_pcie_link(host: _Host) -> HostCheck:
     )
     try:
         host.need_gpus()
-        problems, idle, links = [], [], set()
-        for pos, h in enumerate(host.handles):
+        problems, idle, links, caps = [], [], set(), {}
+        for label, h in zip(host.labels, host.handles, strict=True):
             gen = _call(host.nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h)
             max_gen = _call(host.nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h)
             width = _call(host.nvml, "nvmlDeviceGetCurrPcieLinkWidth", h)
@@ -668,15 +821,24 @@ def check_pcie_link(host: _Host) -> HostCheck:
                 gpu_gen = _call(host.nvml, "nvmlDeviceGetGpuMaxPcieLinkGeneration", h)
             except _Unknown:
                 gpu_gen = max_gen  # older nvidia-ml-py: the slot's limit is all we know
-            if max_gen < gpu_gen:
-                problems.append(f"GPU{pos} trains at most Gen{max_gen} (the GPU does Gen{gpu_gen})")
+            caps[label] = (max_gen, gpu_gen)
             if width < max_width:
-                problems.append(f"GPU{pos} runs x{width} of x{max_width}")
+                problems.append(f"GPU{label} runs x{width} of x{max_width}")
             if gen < max_gen:
-                idle.append(pos)
+                busy = _busy_pstate(host, h)
+                if busy is not None:
+                    problems.append(f"GPU{label} at Gen{gen} of Gen{max_gen} while busy (P{busy})")
+                else:
+                    idle.append(label)
             links.add(f"Gen{max_gen} x{max_width}")
     except _Unknown as exc:
         return HostCheck("pcie_link", UNKNOWN, str(exc), "", evidence)
+    best = max(max_gen for max_gen, _ in caps.values())
+    problems += [  # a slot below its peers': the TP group runs at its slowest link
+        f"GPU{label} trains at most Gen{max_gen} (the GPU does Gen{gpu_gen}), its peers Gen{best}"
+        for label, (max_gen, gpu_gen) in caps.items()
+        if max_gen < best
+    ]
     if problems:
         return HostCheck(
             "pcie_link",
@@ -686,8 +848,13 @@ def check_pcie_link(host: _Host) -> HostCheck:
             fix,
             evidence,
         )
+    platform = (
+        f" (the platform's maximum: the GPUs do Gen{max(g for _, g in caps.values())})"
+        if any(max_gen < gpu_gen for max_gen, gpu_gen in caps.values())
+        else ""
+    )
     note = (
-        f" (GPUs {','.join(map(str, idle))} below that right now: idle power saving lowers the "
+        f" (GPUs {_gpu_list(idle)} below that right now: idle power saving lowers the "
         "generation until traffic starts)"
         if idle
         else ""
@@ -695,7 +862,7 @@ def check_pcie_link(host: _Host) -> HostCheck:
     return HostCheck(
         "pcie_link",
         OK,
-        f"{len(host.handles)} GPUs at {', '.join(sorted(links))} maximum{note}",
+        f"{len(host.handles)} GPUs at {', '.join(sorted(links))} maximum{platform}{note}",
         "",
         evidence,
     )
@@ -723,7 +890,7 @@ def check_bar1(host: _Host) -> HostCheck:
         f"{host.decode_rows} rows"
     )
     if smallest < need:
-        small = [f"GPU{i} {_mib(t)}" for i, t in enumerate(totals) if t < need]
+        small = [f"GPU{i} {_mib(t)}" for i, t in zip(host.labels, totals, strict=True) if t < need]
         return HostCheck(
             "bar1",
             FAIL,
@@ -767,7 +934,8 @@ def check_topology(host: _Host) -> HostCheck:
         label = matrix[a][b]
         counts[label] = counts.get(label, 0) + 1
     summary = ", ".join(f"{label} {count}" for label, count in sorted(counts.items()))
-    cross = [f"{a}-{b}" for a, b in pairs if levels[a][b] >= CROSS_SOCKET]
+    labels = host.labels
+    cross = [f"{labels[a]}-{labels[b]}" for a, b in pairs if levels[a][b] >= CROSS_SOCKET]
     if cross:
         listed = ", ".join(cross[:6]) + (" ..." if len(cross) > 6 else "")
         return HostCheck(
@@ -790,8 +958,8 @@ def check_persistence(host: _Host) -> HostCheck:
     try:
         host.need_gpus()
         off = [
-            pos
-            for pos, h in enumerate(host.handles)
+            label
+            for label, h in zip(host.labels, host.handles, strict=True)
             if _call(host.nvml, "nvmlDeviceGetPersistenceMode", h)
             != getattr(host.nvml, "NVML_FEATURE_ENABLED", 1)
         ]
@@ -825,18 +993,29 @@ def run_host_checks(
     tp: int,
     hidden: int,
     *,
+    gpu_ids: Sequence[int] | None = None,
     root: str | os.PathLike[str] | None = None,
     nvml: Any = None,
     skip_nvml: str | None = None,
     probe: P2PSummary | None = None,
     decode_rows: int = DEFAULT_DECODE_ROWS,
 ) -> tuple[HostCheck, ...]:
-    """Every host check, in ``CHECK_NAMES`` order. Never raises.
+    """Every host check, in ``CHECK_NAMES`` order, about the GPUs ``gpu_ids`` (the TP group's
+    CUDA indices; default every visible GPU). Never raises.
 
-    ``root``: where sysfs/procfs are read (default ``sysfs_root()``). ``nvml``: a pynvml-like
-    module (default: import pynvml). ``skip_nvml``: leave NVML out, with this reason (facts
-    from a profile describe another machine). ``probe``: the cached p2p measurement."""
+    ``root``: where sysfs/procfs are read (default ``sysfs_root()``; when that variable cannot
+    be a root, every check is unknown with the reason). ``nvml``: a pynvml-like module (default:
+    import pynvml). ``skip_nvml``: leave NVML out, with this reason (facts from a profile
+    describe another machine). ``probe``: the cached p2p measurement of these GPUs."""
+    if root is None:
+        refused = sysfs_root_problem()
+        if refused:
+            fix = f"set {SYSFS_ROOT_ENV} to a dump of /sys and /proc, or unset it"
+            return tuple(
+                HostCheck(name, UNKNOWN, refused, fix, SYSFS_ROOT_ENV) for name in CHECK_NAMES
+            )
     host = _Host(Path(root) if root is not None else sysfs_root(), tp, hidden, decode_rows, probe)
+    host.gpu_ids = tuple(gpu_ids) if gpu_ids is not None else None
     if skip_nvml:
         host.no_nvml = skip_nvml
     elif nvml is None:
@@ -862,7 +1041,14 @@ def run_host_checks(
                 host.nvml.nvmlShutdown()
             except Exception:
                 pass
-    return tuple(checks)
+    return tuple(_about(check, host.labels) for check in checks)
+
+
+def _about(check: HostCheck, labels: Sequence[int]) -> HostCheck:
+    """The check saying which GPUs it judged: "GPUs 0,1: ..." (none known: as it was)."""
+    if not labels:
+        return check
+    return replace(check, detail=f"GPUs {_gpu_list(labels)}: {check.detail}", gpus=tuple(labels))
 
 
 def format_checks(checks: Sequence[HostCheck]) -> list[str]:
@@ -880,10 +1066,11 @@ def format_checks(checks: Sequence[HostCheck]) -> list[str]:
     for c in checks:
         if c.matrix:
             lines.append(f"  {c.name} ({TOPOLOGY_LEGEND}):")
-            lines.append("          " + " ".join(f"GPU{i:<2}" for i in range(len(c.matrix))))
+            labels = c.gpus if len(c.gpus) == len(c.matrix) else range(len(c.matrix))
+            lines.append("          " + " ".join(f"GPU{i:<2}" for i in labels))
             lines += [
                 f"    GPU{i:<2}  " + " ".join(f"{cell:<5}" for cell in row)
-                for i, row in enumerate(c.matrix)
+                for i, row in zip(labels, c.matrix, strict=True)
             ]
     return lines
 

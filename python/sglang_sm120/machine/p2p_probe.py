@@ -193,16 +193,11 @@ def _read_probe(facts: HostFacts, gpus: Sequence[int]) -> tuple[P2PSummary | Non
 def load_probe(
     facts: HostFacts, gpu_ids: Sequence[int] | None = None
 ) -> tuple[P2PSummary | None, str]:
-    """The cached probe for these GPUs (default: every visible one), else for every visible GPU
-    when these are among them; None with the reason otherwise. Never raises: an unreadable cache
-    directory is 'no p2p probe (reason)'."""
-    everyone = tuple(range(len(facts.gpus)))
-    wanted = tuple(gpu_ids) if gpu_ids is not None else everyone
+    """The cached probe of exactly these GPUs (default: every visible one); None with the reason
+    otherwise. A probe of more GPUs is not used: what all 8 do at once (a collapse) says nothing
+    certain about a TP group of 4. Never raises: an unreadable cache directory is 'no p2p probe
+    (reason)'."""
+    wanted = tuple(gpu_ids) if gpu_ids is not None else tuple(range(len(facts.gpus)))
     if len(wanted) < 2:
         return None, "no p2p probe: fewer than 2 GPUs, no peers to measure"
-    summary, note = _read_probe(facts, wanted)
-    if summary is None and wanted != everyone and set(wanted) <= set(everyone):
-        wider, wider_note = _read_probe(facts, everyone)
-        if wider is not None:
-            return wider, wider_note + f" (every GPU, GPUs {','.join(map(str, wanted))} among them)"
-    return summary, note
+    return _read_probe(facts, wanted)

@@ -277,14 +277,15 @@ def with_tuning(deployment: Deployment, hidden: int | None, dtype: str | None) -
 def host_findings(
     facts: HostFacts, tp: int, hidden: int, gpu_ids: tuple[int, ...] | None = None
 ) -> HostFindings:
-    """This host's checks and its cached p2p probe for the GPUs ``gpu_ids`` (default every
-    visible one). NVML is asked only when the facts came from it: a profile describes another
-    machine. Never raises."""
+    """This host's checks and its cached p2p probe, both about the GPUs ``gpu_ids`` (the TP
+    group; default every visible one): GPUs the server does not use are no finding. NVML is
+    asked only when the facts came from it: a profile describes another machine. Never raises."""
     from sglang_sm120.machine.p2p_probe import load_probe
 
     probe, note = load_probe(facts, gpu_ids)
     skip = None if facts.source == "nvml" else f"facts from {facts.source}, not this machine"
-    return HostFindings(run_host_checks(tp, hidden, skip_nvml=skip, probe=probe), probe, note)
+    checks = run_host_checks(tp, hidden, gpu_ids=gpu_ids, skip_nvml=skip, probe=probe)
+    return HostFindings(checks, probe, note)
 
 
 def findings_describe(facts: HostFacts) -> bool:
