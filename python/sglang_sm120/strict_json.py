@@ -157,8 +157,8 @@ def shown(value: Any) -> str:
 
 def field_path(where: str, key: str | int) -> str:
     """The path of ``key`` inside the value at ``where`` ("" is the document itself)."""
-    if isinstance(key, int):
-        return f"{where}[{key}]"
+    if isinstance(key, int):  # an item of a top-level list: gpu_ids[0], not 'gpu_ids'[0]
+        return f"{where.strip(chr(39))}[{key}]"
     return f"{where}.{key}" if where else repr(key)
 
 
@@ -256,13 +256,14 @@ def require_list(
     kind: type,
     where: str = "",
     *,
-    limit: int,
+    max_items: int,
     default: Any = REQUIRED,
     **bounds: Any,
 ) -> list[Any]:
-    """``document[key]``: a list of at most ``limit`` items, each checked as ``kind``."""
-    items = require(document, key, list, where, limit=limit, default=default)
-    if items is default:
-        return items
+    """``document[key]``: a list of at most ``max_items`` values, each checked as ``kind``
+    (``bounds``: ``check_value``'s keyword arguments, for each value)."""
+    if key not in document and default is not REQUIRED:
+        return default
+    items = require(document, key, list, where, limit=max_items)
     path = field_path(where, key)
     return [check_value(item, kind, field_path(path, i), **bounds) for i, item in enumerate(items)]

@@ -153,7 +153,7 @@ ROWS = [
         ["plan", "--topology", "{file}", "--tp", "2"],
         with_gpu(numa_node=-1),
         {},
-        "numa_node must be an integer >= 0",
+        "numa_node must be an integer 0..1023",
     ),
     (
         "memory zero",
@@ -729,7 +729,7 @@ LAUNCH_PLAN_VALUES = [
     ("gpu id negative", _set("gpu_ids[0]", -1), "gpu_ids[0] must be an integer"),
     ("gpu id a bool", _set("gpu_ids[1]", True), "gpu_ids[1] must be an integer"),
     ("gpu_ids missing", _set("gpu_ids", REMOVE), "missing required key 'gpu_ids'"),
-    ("managed the string true", _set("plan.managed", "true"), "plan.managed must be true or"),
+    ("managed the string false", _set("plan.managed", "false"), "plan.managed must be true or"),
     ("validation a string", _set("capability.validation", "no"), "capability.validation must"),
     ("sm12x a number", _set("capability.sm12x", 1), "capability.sm12x must be true or false"),
     ("reason a number", _set("plan.reasons[0]", 3), "plan.reasons[0] must be a string"),

@@ -148,7 +148,11 @@ class P2PSummary:
             )
         }
         return cls(
-            gpus=tuple(require_list(data, "gpus", int, where, limit=MAX_GPUS, minimum=0)),
+            gpus=tuple(
+                require_list(
+                    data, "gpus", int, where, max_items=MAX_GPUS, minimum=0, maximum=MAX_GPUS - 1
+                )
+            ),
             **numbers,
             collapse=require(data, "collapse", bool, where),
             created=require(data, "created", str, where, limit=40, default=""),

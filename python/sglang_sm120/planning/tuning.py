@@ -40,6 +40,7 @@ from sglang_sm120.machine.cache import (
     list_cache,
 )
 from sglang_sm120.machine.facts import HostFacts
+from sglang_sm120.machine.topology import MAX_TP_SIZE
 from sglang_sm120.strict_json import fields, read_json_file, require, require_list
 
 BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
@@ -50,7 +51,6 @@ TABLE_MAX_BYTES = 16 << 20
 MAX_ROWS = 1 << 16  # 2048 sizes x 5 backends is ~10k
 MAX_TOKENS = 1 << 20
 MAX_HIDDEN = 1 << 20
-MAX_TP = 1 << 16
 MAX_TEXT = 1000  # a note: an exception's message, cut at 300 characters by `tune`
 
 
@@ -106,7 +106,7 @@ class TuningTable:
         rows = require(data, "measurements", list, limit=MAX_ROWS)
         return cls(
             fingerprint=require(data, "fingerprint", dict),
-            tp=require(data, "tp", int, minimum=1, maximum=MAX_TP),
+            tp=require(data, "tp", int, minimum=1, maximum=MAX_TP_SIZE),
             hidden=require(data, "hidden", int, minimum=1, maximum=MAX_HIDDEN),
             dtype=require(data, "dtype", str, limit=40),
             measurements=tuple(
@@ -115,7 +115,7 @@ class TuningTable:
             created=require(data, "created", str, limit=MAX_TEXT, default=""),
             ranks_share_gpu=require(data, "ranks_share_gpu", bool, default=False),
             version=require(data, "version", int, minimum=0, default=0),
-            notes=tuple(require_list(data, "notes", str, limit=MAX_ROWS, default=[])),
+            notes=tuple(require_list(data, "notes", str, max_items=MAX_ROWS, default=[])),
         )
 
 
