@@ -22,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import json
 import math
@@ -68,7 +67,7 @@ class Measurement:
     @classmethod
     def from_json(cls, data: Any, where: str) -> Measurement:
         """One cell as ``asdict`` writes it; FieldError naming the field for anything else."""
-        data = fields(data, where, known=("backend", "tokens", "us", "correct", "note"))
+        data = fields(data, where, known=cls.__dataclass_fields__)
         return cls(
             backend=require(data, "backend", str, where, choices=BACKENDS),
             tokens=require(data, "tokens", int, where, minimum=1, maximum=MAX_TOKENS),
@@ -101,8 +100,7 @@ class TuningTable:
     def from_json(cls, data: Any) -> TuningTable:
         """The inverse of ``to_json``: every field checked (``strict_json.require``), so a
         table that loads cannot fail later in the plan; FieldError naming the field."""
-        known = [f.name for f in dataclasses.fields(cls)] + ["fingerprint_id"]
-        data = fields(data, "", known=known)
+        data = fields(data, "", known=[*cls.__dataclass_fields__, "fingerprint_id"])
         rows = require(data, "measurements", list, limit=MAX_ROWS)
         return cls(
             fingerprint=require(data, "fingerprint", dict),
