@@ -153,7 +153,7 @@ ROWS = [
         ["plan", "--topology", "{file}", "--tp", "2"],
         with_gpu(numa_node=-1),
         {},
-        "numa_node must be an integer >= 0",
+        "numa_node must be an integer 0..1023",
     ),
     (
         "memory zero",
@@ -608,3 +608,303 @@ def test_a_sysfs_root_that_cannot_be_used_makes_every_check_unknown(value, fragm
         assert check["status"] == "unknown", check
         assert check["detail"].startswith(f"{SYSFS_ENV}="), check
         assert fragment in check["detail"] and len(check["detail"]) < 200, check
+
+
+# ---- issue 26 item 1 / issue 27 kind 3: document values
+# A document of the right syntax whose values are of the wrong type or range (a string where a
+# number or a boolean belongs, NaN, a negative bandwidth, a missing field, a field nested in the
+# wrong place) is refused whole, in one line naming the file and the field, and the server plans
+# as if it were absent. Each row changes a valid document the way its id says.
+
+import logging  # noqa: E402
+import re  # noqa: E402
+
+from sglang_sm120.machine.cache import host_fingerprint  # noqa: E402
+from sglang_sm120.machine.facts import facts_from_json, load_profile  # noqa: E402
+from sglang_sm120.machine.host_checks import P2PSummary  # noqa: E402
+from sglang_sm120.machine.p2p_probe import load_probe, probe_path, save_probe  # noqa: E402
+from sglang_sm120.machine.topology import TopologyError  # noqa: E402
+from sglang_sm120.planning.tuning import Measurement, TuningTable, load_table, save_table  # noqa: E402
+from sglang_sm120.server import runtime  # noqa: E402
+from sglang_sm120.strict_json import FieldError  # noqa: E402
+
+PCIE8_FACTS = load_profile("rtx-pro-6000-x8-pcie")
+NAN = float("nan")
+REMOVE = object()  # a row's value that deletes the key
+
+
+def _set(path: str, value):
+    """A row's change: set the value at ``path`` ("a.b[0].c") of a document, or delete it."""
+
+    def change(document):
+        *parents, last = path.replace("[", ".").replace("]", "").split(".")
+        node = document
+        for part in parents:
+            node = node[int(part) if part.isdigit() else part]
+        key = int(last) if last.isdigit() else last
+        if value is REMOVE:
+            del node[key]
+        else:
+            node[key] = value
+        return document
+
+    return change
+
+
+def _valid_table_json(tp: int = 8) -> dict:
+    rows = [Measurement("trtllm", t, 5.0, True) for t in (4, 64)]
+    rows += [Measurement("nccl", t, 50.0, True) for t in (4, 64)]
+    fingerprint = host_fingerprint(PCIE8_FACTS, tp)
+    return TuningTable(fingerprint, tp, 7168, "bfloat16", tuple(rows)).to_json()
+
+
+# id, change, the field and complaint the one line names
+TABLE_VALUES = [
+    ("us a string", _set("measurements[0].us", "5.0"), "measurements[0].us must be a number"),
+    ("us negative", _set("measurements[0].us", -5.0), "measurements[0].us must be a number >= 0"),
+    ("us NaN", _set("measurements[0].us", NAN), "measurements[0].us must be a number"),
+    ("correct a string", _set("measurements[1].correct", "false"), ".correct must be true or"),
+    ("correct a number", _set("measurements[1].correct", 1), "measurements[1].correct must be"),
+    ("tokens a string", _set("measurements[0].tokens", "4"), "measurements[0].tokens must be an"),
+    ("tokens zero", _set("measurements[0].tokens", 0), "measurements[0].tokens must be an integer"),
+    ("backend unknown", _set("measurements[0].backend", "nvl"), "measurements[0].backend must be"),
+    ("tp a string", _set("tp", "8"), "'tp' must be an integer"),
+    ("tp a bool", _set("tp", True), "'tp' must be an integer"),
+    ("hidden negative", _set("hidden", -7168), "'hidden' must be an integer"),
+    ("version a string", _set("version", "2"), "'version' must be an integer"),
+    ("ranks_share_gpu a string", _set("ranks_share_gpu", "no"), "'ranks_share_gpu' must be true"),
+    (
+        "us missing",
+        _set("measurements[0].us", REMOVE),
+        "measurements[0]: missing required key 'us'",
+    ),
+    ("hidden missing", _set("hidden", REMOVE), "missing required key 'hidden'"),
+    ("measurements an object", _set("measurements", {"0": {}}), "'measurements' must be a list"),
+    (
+        "measurement a list",
+        _set("measurements[0]", ["trtllm", 4, 5.0, True]),
+        "measurements[0] must",
+    ),
+    ("cell nested in a cell", _set("measurements[0].us", {"us": 5.0}), "measurements[0].us must"),
+    ("notes a string", _set("notes", "measured"), "'notes' must be a list"),
+    ("misspelt key", _set("measurements[0].micros", 5.0), "unknown key 'micros'"),
+]
+
+
+@pytest.fixture
+def value_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"), [r[1:] for r in TABLE_VALUES], ids=[r[0] for r in TABLE_VALUES]
+)
+def test_a_tuning_table_with_a_bad_value_is_refused_whole(value_cache, change, fragment):
+    path = save_table(TuningTable.from_json(_valid_table_json()))
+    assert load_table(PCIE8_FACTS, 8, 7168, "bfloat16")[0] is not None  # the valid one is used
+    path.write_text(json.dumps(change(_valid_table_json())))  # NaN: as Python writes it
+    table, note = load_table(PCIE8_FACTS, 8, 7168, "bfloat16")
+    assert table is None and note.startswith(f"tuning table {path} unreadable: "), note
+    assert "\n" not in note and (fragment in note or "NaN is not JSON" in note), note
+    with pytest.raises(FieldError, match=re.escape(fragment)):  # the same value, parsed
+        TuningTable.from_json(change(_valid_table_json()))
+
+
+def test_a_table_with_a_string_time_lets_the_launcher_plan_without_it(model_dirs, value_cache):
+    """Before: ``"us": "5.0"`` loaded, and SGLang's fusion auto-enable pass raised TypeError
+    in the launcher. Now the real ServerArgs resolve, planned without the table (TP8's default:
+    fusion off), and the plan says why the table was not used."""
+    from test_plugin_sglang import resolve_in_launcher
+
+    path = save_table(TuningTable.from_json(_valid_table_json()))
+    path.write_text(json.dumps(_set("measurements[0].us", "5.0")(_valid_table_json())))
+    launched = resolve_in_launcher(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        server_args={"flashinfer_allreduce_fusion_backend": "auto"},
+        env={"SGLANG_SM120_CACHE_DIR": str(value_cache)},
+    )
+    assert launched["fusion_backend"]["8"] is None
+    reasons = json.loads(launched["launch_plan"]["8"])["plan"]["reasons"]
+    expected = f"tuning table {path} unreadable: measurements[0].us must be a number"
+    assert any(expected in reason for reason in reasons), reasons
+
+
+def _valid_probe_json(gpus=(0, 1, 2, 3)) -> dict:
+    summary = P2PSummary(tuple(gpus), 52.4, 49.9, 2.0, 2.6, 0.12, 0.85, 0.8, True, "2026-12-01")
+    return {
+        "version": 1,
+        "fingerprint": host_fingerprint(PCIE8_FACTS, len(gpus), tuple(gpus)),
+        "gpus": list(gpus),
+        "created": "2026-12-01T10:00:00",
+        "pairs": [],
+        "concurrent": [],
+        "summary": summary.to_json(),
+        "notes": [],
+    }
+
+
+# id, change, the field and complaint the one line names
+PROBE_VALUES = [
+    ("collapse the string false", _set("summary.collapse", "false"), "summary.collapse must be"),
+    ("collapse the string no", _set("summary.collapse", "no"), "summary.collapse must be true or"),
+    ("collapse a number", _set("summary.collapse", 0), "summary.collapse must be true or false"),
+    ("bandwidth the string nan", _set("summary.pair_write_gbps", "nan"), "pair_write_gbps must"),
+    ("bandwidth NaN", _set("summary.pair_read_gbps", NAN), "summary.pair_read_gbps must be"),
+    ("bandwidth negative", _set("summary.pair_write_gbps", -50.0), "pair_write_gbps must be a"),
+    ("ratio negative", _set("summary.write_ratio", -0.1), "summary.write_ratio must be a number"),
+    ("latency a string", _set("summary.write_latency_us", "2"), "write_latency_us must be a"),
+    ("gpus strings", _set("summary.gpus", ["0", "1", "2", "3"]), "summary.gpus[0] must be an"),
+    ("gpu negative", _set("summary.gpus[0]", -1), "summary.gpus[0] must be an integer"),
+    ("ratio missing", _set("summary.staged_ratio", REMOVE), "summary: missing required key"),
+    ("summary a list", _set("summary", [0.12, 0.85]), "'summary' must be a JSON object"),
+    ("summary flattened", _set("summary", {"summary": {}}), "summary: unknown key 'summary'"),
+    ("version a string", _set("version", "1"), "'version' must be an integer"),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"), [r[1:] for r in PROBE_VALUES], ids=[r[0] for r in PROBE_VALUES]
+)
+def test_a_p2p_probe_with_a_bad_value_is_refused_whole(value_cache, change, fragment):
+    path = save_probe(_valid_probe_json())
+    assert load_probe(PCIE8_FACTS, (0, 1, 2, 3))[0] is not None  # the valid one is read
+    path.write_text(json.dumps(change(_valid_probe_json())))
+    summary, note = load_probe(PCIE8_FACTS, (0, 1, 2, 3))
+    assert summary is None and note.startswith(f"no p2p probe ({path} "), note
+    assert "\n" not in note and (fragment in note or "NaN is not JSON" in note), note
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [(os.mkfifo, "a FIFO, not a regular file"), (lambda p: p.symlink_to("/dev/zero"), "device")],
+    ids=["fifo", "link to /dev/zero"],
+)
+def test_a_p2p_probe_that_is_not_a_regular_file_is_refused_at_once(value_cache, make, fragment):
+    """Not read as absent: the note names the file and what it is (read_json_file's check)."""
+    path = probe_path(host_fingerprint(PCIE8_FACTS, 2, (0, 1)), (0, 1))
+    make(path)
+    summary, note = load_probe(PCIE8_FACTS, (0, 1))
+    assert summary is None and note.startswith(f"no p2p probe ({path} unreadable: "), note
+    assert fragment in note, note
+
+
+def test_a_summary_with_nan_from_python_is_refused():
+    data = {**_valid_probe_json()["summary"], "pair_write_gbps": NAN}
+    with pytest.raises(FieldError, match="pair_write_gbps must be a number >= 0, got nan"):
+        P2PSummary.from_json(data, "summary")
+
+
+def _gpu(**changes) -> dict:
+    gpu = {**GPU, **changes}
+    return {key: value for key, value in gpu.items() if value is not REMOVE}
+
+
+# id, topology document, the field and complaint the one line names
+TOPOLOGY_VALUES = [
+    ("numa node a string", topology(gpus=[_gpu(numa_node="0")] * 2), "gpus[0].numa_node must be"),
+    ("numa node past the bound", topology(gpus=[_gpu(numa_node=10**30)] * 2), ".numa_node must"),
+    ("numa node a bool", topology(gpus=[_gpu(numa_node=True)] * 2), "gpus[0].numa_node must be"),
+    ("memory a string", topology(gpus=[_gpu(memory_gib="96")] * 2), "gpus[0].memory_gib must be"),
+    ("memory NaN", topology(gpus=[_gpu(memory_gib=NAN)] * 2), "gpus[0].memory_gib must be"),
+    ("memory negative", topology(gpus=[_gpu(memory_gib=-96.0)] * 2), "gpus[0].memory_gib must"),
+    ("memory past the bound", topology(gpus=[_gpu(memory_gib=1e300)] * 2), ".memory_gib must be"),
+    ("nvlink the string false", topology(nvlink="false"), "'nvlink' must be true or false"),
+    ("nnodes a string", topology(nnodes="1"), "'nnodes' must be an integer 1..1024"),
+    ("nnodes a float", topology(nnodes=1.0), "'nnodes' must be an integer 1..1024"),
+    ("capability a bool", topology(gpus=[_gpu(capability=[True, 0])] * 2), ".capability must"),
+    ("name missing", topology(gpus=[_gpu(name=REMOVE)] * 2), "missing required key 'name'"),
+    ("gpu nested in a list", topology(gpus=[[GPU], [GPU]]), "gpus[0] must be an object"),
+    ("driver version a number", topology(driver_version=580.95), "'driver_version' must be"),
+]
+
+
+@pytest.mark.parametrize(
+    ("document", "fragment"), [r[1:] for r in TOPOLOGY_VALUES], ids=[r[0] for r in TOPOLOGY_VALUES]
+)
+def test_a_topology_with_a_bad_value_is_refused_naming_the_field(document, fragment):
+    with pytest.raises(TopologyError, match=re.escape("file:box.json: ")) as raised:
+        facts_from_json(document, "file:box.json")
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_topology_file_with_a_string_for_a_number_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(topology(gpus=[_gpu(memory_gib="96")] * 2)))
+    proc = run_bounded("plan", "--topology", str(path), "--tp", "2")
+    assert_one_line_error(proc, f"file:{path}: gpus[0].memory_gib must be a number > 0")
+
+
+def _valid_launch_plan() -> dict:
+    return {
+        "tp_size": 2,
+        "gpu_ids": [0, 1],
+        "capability": {
+            "sm12x": True,
+            "fusion_capable": True,
+            "pcie_ipc_capable": True,
+            "reasons": ["test host"],
+            "validation": False,
+        },
+        "plan": {
+            "managed": True,
+            "fusion_backend": "trtllm",
+            "plain_allreduce": "pcie_ipc",
+            "reasons": ["fusion trtllm"],
+            "routes": [],
+        },
+    }
+
+
+# id, change, the field and complaint the one warning names
+LAUNCH_PLAN_VALUES = [
+    ("tp_size a string", _set("tp_size", "2"), "'tp_size' must be an integer"),
+    ("tp_size past the bound", _set("tp_size", 10**20), "'tp_size' must be an integer 1.."),
+    ("tp_size a float", _set("tp_size", 2.0), "'tp_size' must be an integer"),
+    ("gpu_ids a string", _set("gpu_ids", "0,1"), "'gpu_ids' must be a list"),
+    ("gpu id negative", _set("gpu_ids[0]", -1), "gpu_ids[0] must be an integer"),
+    ("gpu id a bool", _set("gpu_ids[1]", True), "gpu_ids[1] must be an integer"),
+    ("gpu_ids missing", _set("gpu_ids", REMOVE), "missing required key 'gpu_ids'"),
+    ("managed the string false", _set("plan.managed", "false"), "plan.managed must be true or"),
+    ("validation a string", _set("capability.validation", "no"), "capability.validation must"),
+    ("sm12x a number", _set("capability.sm12x", 1), "capability.sm12x must be true or false"),
+    ("reason a number", _set("plan.reasons[0]", 3), "plan.reasons[0] must be a string"),
+    ("plan flattened", _set("managed", True), "unknown key 'managed'"),
+    ("plan misspelt key", _set("plan.route", []), "plan: unknown key 'route'"),
+    ("route bound a float", _set("plan.routes", [[1, 4.0, "trtllm"]]), "plan.routes"),
+]
+
+
+@pytest.fixture
+def fresh_worker(monkeypatch):
+    """A worker on the 8x SM120 profile that has not read a launch plan yet."""
+    from sglang_sm120.machine import facts
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    caches = (facts.current_facts, runtime.sm12x_capability, runtime._launch_plan)
+    for cached in caches:
+        cached.cache_clear()
+    yield monkeypatch
+    for cached in caches:
+        cached.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [r[1:] for r in LAUNCH_PLAN_VALUES],
+    ids=[r[0] for r in LAUNCH_PLAN_VALUES],
+)
+def test_a_launch_plan_with_a_bad_value_is_ignored_naming_the_field(
+    fresh_worker, caplog, change, fragment
+):
+    fresh_worker.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(_valid_launch_plan()))
+    assert runtime.worker_plan() is not None  # the valid one is followed
+    runtime._launch_plan.cache_clear()
+    fresh_worker.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(change(_valid_launch_plan())))
+    with caplog.at_level(logging.WARNING, logger="sglang_sm120"):
+        assert runtime.worker_plan() is None and runtime.worker_tp_size() is None
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sglang_sm120"]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"sglang-sm120: {runtime.LAUNCH_PLAN_ENV} unreadable (")
+    assert fragment in warnings[0], warnings[0]

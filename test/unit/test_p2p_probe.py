@@ -204,7 +204,9 @@ def test_a_fifo_in_place_of_the_probe_is_unreadable_not_a_hang(cache):
     path.unlink()
     os.mkfifo(path)
     summary, note = load_probe(PCIE8, (0, 1, 2, 3))
-    assert summary is None and "no p2p probe for GPUs 0,1,2,3" in note
+    assert (
+        summary is None and note == f"no p2p probe ({path} unreadable: a FIFO, not a regular file)"
+    )
 
 
 def test_fewer_than_two_gpus_have_no_probe():

@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sm120.machine.facts import sysfs_bus_id, visible_nvml_indices
-from sglang_sm120.strict_json import UnreadableFile, read_regular_file
+from sglang_sm120.machine.topology import MAX_GPUS
+from sglang_sm120.strict_json import (
+    UnreadableFile,
+    fields,
+    read_regular_file,
+    require,
+    require_list,
+)
 
 SYSFS_ROOT_ENV = "SGLANG_SM120_SYSFS_ROOT"
 OK, WARN, FAIL, UNKNOWN = "ok", "warn", "fail", "unknown"
@@ -149,19 +156,33 @@ class P2PSummary:
         return {**asdict(self), "gpus": list(self.gpus)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> P2PSummary:
+    def from_json(cls, data: Any, where: str = "") -> P2PSummary:
+        """The inverse of ``to_json`` (``where``: its path in the document, for messages):
+        bandwidths, latencies and ratios finite and >= 0, ``collapse`` a JSON boolean (not
+        "false", which ``bool`` reads as True); FieldError naming the field otherwise."""
+        data = fields(data, where, known=cls.__dataclass_fields__)
+        numbers = {
+            name: require(data, name, float, where, minimum=0)
+            for name in (
+                "pair_write_gbps",
+                "pair_read_gbps",
+                "write_latency_us",
+                "read_latency_us",
+                "write_ratio",
+                "read_ratio",
+                "staged_ratio",
+            )
+        }
         return cls(
-            gpus=tuple(int(g) for g in data["gpus"]),
-            pair_write_gbps=float(data["pair_write_gbps"]),
-            pair_read_gbps=float(data["pair_read_gbps"]),
-            write_latency_us=float(data["write_latency_us"]),
-            read_latency_us=float(data["read_latency_us"]),
-            write_ratio=float(data["write_ratio"]),
-            read_ratio=float(data["read_ratio"]),
-            staged_ratio=float(data["staged_ratio"]),
-            collapse=bool(data["collapse"]),
-            created=str(data.get("created", "")),
-            path=str(data.get("path", "")),
+            gpus=tuple(
+                require_list(
+                    data, "gpus", int, where, max_items=MAX_GPUS, minimum=0, maximum=MAX_GPUS - 1
+                )
+            ),
+            **numbers,
+            collapse=require(data, "collapse", bool, where),
+            created=require(data, "created", str, where, limit=40, default=""),
+            path=require(data, "path", str, where, limit=4096, default=""),
         )
 
     def describe(self) -> str:

@@ -30,8 +30,10 @@ functions (``gbps``, ``link_ratio``, ``is_collapse``, ``summarize``) tested on r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ from sglang_sm120.machine.cache import (
 )
 from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.machine.host_checks import P2PSummary
-from sglang_sm120.strict_json import read_json_file
+from sglang_sm120.strict_json import fields, read_json_file, require
 
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 PROBE_VERSION = 1
@@ -55,6 +57,20 @@ PROBE_MAX_BYTES = 4 << 20  # a probe of 8 GPUs takes ~100 KiB
 COLLAPSE_BELOW = 0.5
 WRITES_BEHIND = 1 / 1.5
 PATTERNS = ("all_write", "all_read", "staged_write")
+# What ``commands.p2p`` writes; only version, fingerprint and summary are used here.
+PROBE_KEYS = (
+    "version",
+    "fingerprint",
+    "fingerprint_id",
+    "gpus",
+    "created",
+    "sizes",
+    "reps",
+    "pairs",
+    "concurrent",
+    "summary",
+    "notes",
+)
 
 
 @dataclass(frozen=True)
@@ -173,7 +189,7 @@ def _read_probe(facts: HostFacts, gpus: Sequence[int]) -> tuple[P2PSummary | Non
     path: Path | str = "the cache directory"
     try:
         path = probe_path(fingerprint, gpus)  # cache_dir() needs a home directory by default
-        if not path.is_file():
+        if not (path.is_file() or os.path.lexists(path)):  # a FIFO, a link: read_json_file says
             unreadable = cache_read_problem()
             where = f" ({unreadable})" if unreadable else ""
             return None, f"no p2p probe for GPUs {','.join(map(str, gpus))}{where}"
@@ -182,12 +198,14 @@ def _read_probe(facts: HostFacts, gpus: Sequence[int]) -> tuple[P2PSummary | Non
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         return None, f"no p2p probe ({path} unreadable: {reason})"
     try:
-        if document.get("version") != PROBE_VERSION or document["fingerprint"] != fingerprint:
+        document = fields(document, "", known=PROBE_KEYS)
+        version = require(document, "version", int)
+        if version != PROBE_VERSION or require(document, "fingerprint", dict) != fingerprint:
             return None, f"p2p probe {Path(path).name} stale: written for another host or version"
-        summary = P2PSummary.from_json({**document["summary"], "path": str(path)})
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        return None, f"no p2p probe ({path} malformed: {exc})"
-    return summary, f"p2p probe {Path(path).name}"
+        summary = P2PSummary.from_json(require(document, "summary", dict), "summary")
+    except (ValueError, RecursionError) as exc:  # FieldError: one line naming the field
+        return None, f"no p2p probe ({path} malformed: {exc or type(exc).__name__})"
+    return dataclasses.replace(summary, path=str(path)), f"p2p probe {Path(path).name}"
 
 
 def load_probe(

@@ -19,13 +19,17 @@ one line naming the source and the field.
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from sglang_sm120.strict_json import FieldError, field_path, fields, require, shown
 
 MAX_GPUS = 64
 MAX_NODES = 1024
+MAX_TP_SIZE = MAX_GPUS * MAX_NODES  # the most ranks a deployment of these nodes has
 MAX_NAME_CHARS = 96  # NVML's own bound on a device name (NVML_DEVICE_NAME_V2_BUFFER_SIZE)
 MAX_TEXT_CHARS = 200
+MAX_NUMA_NODE = 1023  # Linux numbers at most 1024 NUMA nodes (CONFIG_NODES_SHIFT <= 10)
+MAX_MEMORY_GIB = 1 << 20  # 1 PiB: far above any GPU, far below what breaks arithmetic
 CAPABILITY_MAJORS = range(1, 21)
 CAPABILITY_MINORS = range(10)
 
@@ -46,8 +50,8 @@ GPU_KEYS: dict[str, tuple[bool, str]] = {
         'e.g. "NVIDIA RTX PRO 6000 Blackwell Server Edition"',
     ),
     "capability": (True, "[major, minor] integers, e.g. [12, 0] for SM120"),
-    "numa_node": (False, "integer >= 0, or null when unknown"),
-    "memory_gib": (False, "number > 0, or null when unknown"),
+    "numa_node": (False, f"integer 0..{MAX_NUMA_NODE}, or null when unknown"),
+    "memory_gib": (False, f"number > 0 and <= {MAX_MEMORY_GIB}, or null when unknown"),
 }
 
 
@@ -55,111 +59,94 @@ class TopologyError(ValueError):
     """A topology that cannot be used; the message is one line naming the source and field."""
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_line(value: Any, limit: int) -> bool:
+def _line(data: dict[str, Any], key: str, where: str, limit: int) -> None:
     """A non-empty string that prints as one line (no newline, tab, escape or other control
     character) of at most ``limit`` characters: what the plan and doctor print stays intact."""
-    if not isinstance(value, str):
-        return False
-    return bool(value.strip()) and value.isprintable() and len(value) <= limit
+    value = data[key]
+    if not (isinstance(value, str) and value.strip() and value.isprintable()):
+        value = None  # refused below, with the value shown
+    if value is None or len(value) > limit:
+        raise FieldError(
+            f"{field_path(where, key)} must be one printable line of at most {limit} "
+            f"characters, got {shown(data[key])}"
+        )
 
 
-def _unknown_keys(data: dict[str, Any], known: dict[str, tuple[bool, str]], where: str) -> str:
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        return f"{where}unknown key {unknown[0]!r} (known: {', '.join(known)})"
+def _keys(data: Any, known: dict[str, tuple[bool, str]], where: str) -> dict[str, Any]:
+    data = fields(data, where, known=known)
     missing = [key for key, (required, _) in known.items() if required and key not in data]
     if missing:
-        return f"{where}missing required key {missing[0]!r} ({known[missing[0]][1]})"
-    return ""
+        at = f"{where}: " if where else ""
+        raise FieldError(f"{at}missing required key {missing[0]!r} ({known[missing[0]][1]})")
+    return data
 
 
-def _gpu_problem(gpu: Any, where: str) -> str:
+def _check_gpu(gpu: Any, where: str) -> None:
     if not isinstance(gpu, dict):
-        return f"{where} must be an object with 'name' and 'capability', got {_shown(gpu)}"
-    problem = _unknown_keys(gpu, GPU_KEYS, f"{where}: ")
-    if problem:
-        return problem
-    name, capability = gpu["name"], gpu["capability"]
-    if not _is_line(name, MAX_NAME_CHARS):
-        return (
-            f"{where}.name must be one printable line of at most {MAX_NAME_CHARS} characters, "
-            f"got {_shown(name)}"
+        raise FieldError(
+            f"{where} must be an object with 'name' and 'capability', got {shown(gpu)}"
         )
+    _keys(gpu, GPU_KEYS, where)
+    _line(gpu, "name", where, MAX_NAME_CHARS)
+    capability = gpu["capability"]
     if not (
         isinstance(capability, list) and len(capability) == 2 and all(map(_is_int, capability))
     ):
-        return (
+        raise FieldError(
             f"{where}.capability must be [major, minor] integers, e.g. [12, 0]; "
-            f"got {_shown(capability)}"
+            f"got {shown(capability)}"
         )
     if capability[0] not in CAPABILITY_MAJORS or capability[1] not in CAPABILITY_MINORS:
-        return f"{where}.capability {capability} is out of range (major 1..20, minor 0..9)"
-    numa = gpu.get("numa_node")
-    if numa is not None and not (_is_int(numa) and numa >= 0):
-        return f"{where}.numa_node must be an integer >= 0 or null, got {_shown(numa)}"
-    memory = gpu.get("memory_gib")
-    if memory is not None and not (
-        isinstance(memory, (int, float))
-        and not isinstance(memory, bool)
-        and math.isfinite(memory)
-        and memory > 0
-    ):
-        return f"{where}.memory_gib must be a number > 0 or null, got {_shown(memory)}"
-    return ""
+        raise FieldError(
+            f"{where}.capability {capability} is out of range (major 1..20, minor 0..9)"
+        )
+    require(gpu, "numa_node", int, where, minimum=0, maximum=MAX_NUMA_NODE, null=True, default=None)
+    require(
+        gpu, "memory_gib", float, where, above=0, maximum=MAX_MEMORY_GIB, null=True, default=None
+    )
 
 
-def _p2p_problem(p2p: Any, count: int) -> str:
+def _check_p2p(p2p: Any, count: int) -> None:
     if p2p in ("all", "none"):
-        return ""
+        return
     shape = f'\'p2p\' must be "all", "none" or a {count}x{count} matrix of true/false'
     if not isinstance(p2p, list) or len(p2p) != count:
-        return f"{shape}, got {_shown(p2p)}"
+        raise FieldError(f"{shape}, got {shown(p2p)}")
     for a, row in enumerate(p2p):
         if not isinstance(row, list) or len(row) != count:
-            return f"{shape}; row {a} is {_shown(row)}"
+            raise FieldError(f"{shape}; row {a} is {shown(row)}")
         for b, cell in enumerate(row):
             if not isinstance(cell, bool):
-                return f"{shape}; p2p[{a}][{b}] is {_shown(cell)}"
-    return ""
+                raise FieldError(f"{shape}; p2p[{a}][{b}] is {shown(cell)}")
+
+
+def _check(data: Any) -> None:
+    if not isinstance(data, dict):
+        raise FieldError(
+            f"a topology must be a JSON object with 'gpus' and 'p2p', got {shown(data)}"
+        )
+    _keys(data, TOPOLOGY_KEYS, "")
+    gpus = require(data, "gpus", list, limit=MAX_GPUS)
+    for index, gpu in enumerate(gpus):
+        _check_gpu(gpu, f"gpus[{index}]")
+    _check_p2p(data["p2p"], len(gpus))
+    require(data, "nvlink", bool, default=False)
+    require(data, "nnodes", int, minimum=1, maximum=MAX_NODES, default=1)
+    for key in ("description", "driver_version", "cuda_driver_version"):
+        if key in data:
+            _line(data, key, "", MAX_TEXT_CHARS)
 
 
 def topology_problem(data: Any) -> str:
     """The first thing wrong with a parsed topology document, or "" when it is valid."""
-    if not isinstance(data, dict):
-        return f"a topology must be a JSON object with 'gpus' and 'p2p', got {_shown(data)}"
-    problem = _unknown_keys(data, TOPOLOGY_KEYS, "")
-    if problem:
-        return problem
-    gpus = data["gpus"]
-    if not isinstance(gpus, list) or len(gpus) > MAX_GPUS:
-        return f"'gpus' must be a list of at most {MAX_GPUS} GPU objects, got {_shown(gpus)}"
-    for index, gpu in enumerate(gpus):
-        problem = _gpu_problem(gpu, f"gpus[{index}]")
-        if problem:
-            return problem
-    problem = _p2p_problem(data["p2p"], len(gpus))
-    if problem:
-        return problem
-    if not isinstance(data.get("nvlink", False), bool):
-        return f"'nvlink' must be true or false, got {_shown(data['nvlink'])}"
-    nnodes = data.get("nnodes", 1)
-    if not (_is_int(nnodes) and 1 <= nnodes <= MAX_NODES):
-        return f"'nnodes' must be an integer 1..{MAX_NODES}, got {_shown(nnodes)}"
-    for key in ("description", "driver_version", "cuda_driver_version"):
-        if key in data and not _is_line(data[key], MAX_TEXT_CHARS):
-            return (
-                f"'{key}' must be one printable line of at most {MAX_TEXT_CHARS} characters, "
-                f"got {_shown(data[key])}"
-            )
+    try:
+        _check(data)
+    except FieldError as exc:
+        return str(exc)
     return ""
 
 

@@ -38,7 +38,6 @@ Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from sglang_sm120.planning.tuning import (
     size_ranges,
     winners,
 )
+from sglang_sm120.strict_json import FieldError, fields, require, require_list, shown
 
 PCIE_IPC_WORLD_SIZES = (2, 4, 8)
 SM120_PCIE_WORLD_SIZES = (2, 4, 8)
@@ -78,37 +78,15 @@ def in_scope(gpu: GpuInfo, any_arch: bool = False) -> bool:
 
 PLAN_FUSION_BACKENDS = ("trtllm", "sm120_pcie")  # a plan's fusion_backend, when not None
 PLAN_PLAIN_ALLREDUCES = ("upstream", "none", "nccl", "pcie_ipc", "sm120_pcie")
+# A published plan's bounds, above anything a launcher writes (the launch plan's size bounds
+# the document as a whole).
+MAX_REASONS = 1024
+MAX_ROUTES = 4096  # one per token count of a table, at most (2048 sizes)
 
 
-def _json_shown(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _json_object(data: Any, what: str) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} must be a JSON object, got {_json_shown(data)}")
-    return data
-
-
-def _json_field(data: dict[str, Any], key: str, what: str) -> Any:
-    if key not in data:
-        raise ValueError(f"{what} has no {key!r}")
-    return data[key]
-
-
-def _json_bool(data: dict[str, Any], key: str, what: str) -> bool:
-    value = _json_field(data, key, what)
-    if not isinstance(value, bool):
-        raise ValueError(f"{what}.{key} must be true or false, got {_json_shown(value)}")
-    return value
-
-
-def _routes_from_ranges(value: Any) -> tuple[tuple[int, str], ...]:
+def _routes_from_ranges(value: list[Any]) -> tuple[tuple[int, str], ...]:
     """``route_ranges`` as published: [first, last, backend] rows, the first from 1, each
     starting right after the one before."""
-    if not isinstance(value, list):
-        raise ValueError(f"plan.routes must be a list of ranges, got {_json_shown(value)}")
     routes: list[tuple[int, str]] = []
     for row in value:
         expected = routes[-1][0] + 1 if routes else 1
@@ -120,16 +98,9 @@ def _routes_from_ranges(value: Any) -> tuple[tuple[int, str], ...]:
             and row[1] >= row[0]
             and row[2] in BACKENDS
         ):
-            raise ValueError(f"plan.routes has {_json_shown(row)}, not [{expected}, last, backend]")
+            raise FieldError(f"plan.routes has {shown(row)}, not [{expected}, last, backend]")
         routes.append((row[1], row[2]))
     return tuple(routes)
-
-
-def _json_strings(data: dict[str, Any], key: str, what: str) -> tuple[str, ...]:
-    value = _json_field(data, key, what)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{what}.{key} must be a list of strings, got {_json_shown(value)}")
-    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -186,17 +157,19 @@ class Capability:
 
     @classmethod
     def from_json(cls, data: Any) -> Capability:
-        """The inverse of ``to_json``; ValueError naming the field for anything else."""
-        data = _json_object(data, "capability")
+        """The inverse of ``to_json``; FieldError naming the field for anything else."""
+        data = fields(data, "capability", known=cls.__dataclass_fields__)
         return cls(
-            sm12x=_json_bool(data, "sm12x", "capability"),
-            fusion_capable=_json_bool(data, "fusion_capable", "capability"),
-            pcie_ipc_capable=_json_bool(data, "pcie_ipc_capable", "capability"),
-            reasons=_json_strings(data, "reasons", "capability"),
-            validation=_json_bool(data, "validation", "capability")
-            if "validation" in data
-            else False,
+            sm12x=require(data, "sm12x", bool, "capability"),
+            fusion_capable=require(data, "fusion_capable", bool, "capability"),
+            pcie_ipc_capable=require(data, "pcie_ipc_capable", bool, "capability"),
+            reasons=_reasons(data, "capability"),
+            validation=require(data, "validation", bool, "capability", default=False),
         )
+
+
+def _reasons(data: dict[str, Any], where: str) -> tuple[str, ...]:
+    return tuple(require_list(data, "reasons", str, where, max_items=MAX_REASONS))
 
 
 @dataclass(frozen=True)
@@ -273,20 +246,18 @@ class AllReducePlan:
 
     @classmethod
     def from_json(cls, data: Any) -> AllReducePlan:
-        """The inverse of ``to_json``; ValueError naming the field for anything else."""
-        data = _json_object(data, "plan")
-        fusion = _json_field(data, "fusion_backend", "plan")
-        if fusion is not None and fusion not in PLAN_FUSION_BACKENDS:
-            raise ValueError(f"plan.fusion_backend {_json_shown(fusion)} is not a plan's backend")
-        plain = _json_field(data, "plain_allreduce", "plan")
-        if plain not in PLAN_PLAIN_ALLREDUCES:
-            raise ValueError(f"plan.plain_allreduce {_json_shown(plain)} is not a plan's choice")
+        """The inverse of ``to_json``; FieldError naming the field for anything else."""
+        data = fields(data, "plan", known=cls.__dataclass_fields__)
         return cls(
-            managed=_json_bool(data, "managed", "plan"),
-            fusion_backend=fusion,
-            plain_allreduce=plain,
-            reasons=_json_strings(data, "reasons", "plan"),
-            routes=_routes_from_ranges(_json_field(data, "routes", "plan")),
+            managed=require(data, "managed", bool, "plan"),
+            fusion_backend=require(
+                data, "fusion_backend", str, "plan", choices=PLAN_FUSION_BACKENDS, null=True
+            ),
+            plain_allreduce=require(
+                data, "plain_allreduce", str, "plan", choices=PLAN_PLAIN_ALLREDUCES
+            ),
+            reasons=_reasons(data, "plan"),
+            routes=_routes_from_ranges(require(data, "routes", list, "plan", limit=MAX_ROUTES)),
         )
 
     def route_ranges(self) -> list[tuple[int, int, str]]:

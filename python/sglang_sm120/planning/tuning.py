@@ -16,7 +16,7 @@ Backends, as measured (each is one all-reduce + residual add + RMSNorm point of 
 
 Example::
 
-    table = TuningTable.from_json(json.loads(path.read_text()))
+    table = TuningTable.from_json(read_json_file(path, TABLE_MAX_BYTES))
     winners(table, prefer=None)   # {1: "sm120_pcie", 2: "sm120_pcie", ..., 2048: "nccl"}
 """
 
@@ -39,13 +39,18 @@ from sglang_sm120.machine.cache import (
     list_cache,
 )
 from sglang_sm120.machine.facts import HostFacts
-from sglang_sm120.strict_json import read_json_file
+from sglang_sm120.machine.topology import MAX_TP_SIZE
+from sglang_sm120.strict_json import fields, read_json_file, require, require_list
 
 BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
 TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
 # A table of every size 1..2048 for the five backends takes ~1.2 MiB as `tune` writes it.
 TABLE_MAX_BYTES = 16 << 20
+MAX_ROWS = 1 << 16  # 2048 sizes x 5 backends is ~10k
+MAX_TOKENS = 1 << 20
+MAX_HIDDEN = 1 << 20
+MAX_TEXT = 1000  # a note: an exception's message, cut at 300 characters by `tune`
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,18 @@ class Measurement:
     us: float | None
     correct: bool
     note: str = ""
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Measurement:
+        """One cell as ``asdict`` writes it; FieldError naming the field for anything else."""
+        data = fields(data, where, known=cls.__dataclass_fields__)
+        return cls(
+            backend=require(data, "backend", str, where, choices=BACKENDS),
+            tokens=require(data, "tokens", int, where, minimum=1, maximum=MAX_TOKENS),
+            us=require(data, "us", float, where, minimum=0, null=True),
+            correct=require(data, "correct", bool, where),
+            note=require(data, "note", str, where, limit=MAX_TEXT, default=""),
+        )
 
 
 @dataclass(frozen=True)
@@ -73,22 +90,30 @@ class TuningTable:
     notes: tuple[str, ...] = field(default=())
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(self)  # tuples as lists: what from_json reads, with or without a file
+        data["measurements"] = [asdict(m) for m in self.measurements]
+        data["notes"] = list(self.notes)
         data["fingerprint_id"] = fingerprint_id(self.fingerprint)
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TuningTable:
+    def from_json(cls, data: Any) -> TuningTable:
+        """The inverse of ``to_json``: every field checked (``strict_json.require``), so a
+        table that loads cannot fail later in the plan; FieldError naming the field."""
+        data = fields(data, "", known=[*cls.__dataclass_fields__, "fingerprint_id"])
+        rows = require(data, "measurements", list, limit=MAX_ROWS)
         return cls(
-            fingerprint=data["fingerprint"],
-            tp=int(data["tp"]),
-            hidden=int(data["hidden"]),
-            dtype=str(data["dtype"]),
-            measurements=tuple(Measurement(**m) for m in data["measurements"]),
-            created=data.get("created", ""),
-            ranks_share_gpu=bool(data.get("ranks_share_gpu", False)),
-            version=int(data.get("version", 0)),
-            notes=tuple(data.get("notes", ())),
+            fingerprint=require(data, "fingerprint", dict),
+            tp=require(data, "tp", int, minimum=1, maximum=MAX_TP_SIZE),
+            hidden=require(data, "hidden", int, minimum=1, maximum=MAX_HIDDEN),
+            dtype=require(data, "dtype", str, limit=40),
+            measurements=tuple(
+                Measurement.from_json(row, f"measurements[{i}]") for i, row in enumerate(rows)
+            ),
+            created=require(data, "created", str, limit=MAX_TEXT, default=""),
+            ranks_share_gpu=require(data, "ranks_share_gpu", bool, default=False),
+            version=require(data, "version", int, minimum=0, default=0),
+            notes=tuple(require_list(data, "notes", str, max_items=MAX_ROWS, default=[])),
         )
 
 
@@ -127,8 +152,8 @@ def load_table(
         return None, f"no tuning table ({path.name}); run `sglang-sm120 tune --tp {tp}`{where}"
     try:
         table = TuningTable.from_json(read_json_file(path, TABLE_MAX_BYTES))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        return None, f"tuning table {path} unreadable: {exc}"
+    except (ValueError, RecursionError) as exc:  # JsonInputError, FieldError: one line
+        return None, f"tuning table {path} unreadable: {exc or type(exc).__name__}"
     if table.version != TABLE_VERSION or table.fingerprint != fingerprint:
         return None, f"tuning table {path.name} stale: written for another host or version"
     if table.ranks_share_gpu:

@@ -39,6 +39,7 @@ from typing import Any
 from sglang_sm120 import strict_json
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import SYSFS_ROOT_ENV, HostFindings, run_host_checks
+from sglang_sm120.machine.topology import MAX_TP_SIZE
 from sglang_sm120.planning.policy import (
     PLUGIN_BACKEND_CHOICES,
     PLUGIN_BACKEND_ENV,
@@ -65,6 +66,7 @@ LAUNCH_PLAN_ENV = "SGLANG_SM120_LAUNCH_PLAN"
 # whose environment holds a string over MAX_ARG_STRLEN (128 KiB: "Argument list too long").
 # Half of that leaves room for the rest of the environment, which shares ARG_MAX with it.
 LAUNCH_PLAN_MAX_BYTES = 64 * 1024
+LAUNCH_PLAN_KEYS = ("tp_size", "gpu_ids", "capability", "plan")  # as launch_plan_json writes
 
 #: patch name -> "applied" | "registered" | "not needed (...)" | "refused (...)" | ...
 PATCH_STATUS: dict[str, str] = {}
@@ -499,16 +501,14 @@ def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
     if not raw:
         return None
     try:
-        data = strict_json.loads(raw)
-        if not isinstance(data, dict):
-            raise ValueError(f"not a JSON object but {type(data).__name__}")
-        tp_size = data.get("tp_size")
-        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-            raise ValueError(f"tp_size {tp_size!r} is not a positive integer")
-        capability = Capability.from_json(data.get("capability"))
-        plan = AllReducePlan.from_json(data.get("plan"))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        data = strict_json.fields(strict_json.loads(raw), "", known=LAUNCH_PLAN_KEYS)
+        tp_size = strict_json.require(data, "tp_size", int, minimum=1, maximum=MAX_TP_SIZE)
+        # Bounds no launcher exceeds: a plan it publishes is never refused by its workers.
+        strict_json.require_list(data, "gpu_ids", int, max_items=MAX_TP_SIZE, minimum=0)
+        capability = Capability.from_json(strict_json.require(data, "capability", dict))
+        plan = AllReducePlan.from_json(strict_json.require(data, "plan", dict))
+    except (ValueError, RecursionError) as exc:  # JsonInputError, FieldError: one line
+        reason = str(exc) or type(exc).__name__
         log_once(logging.WARNING, f"sglang-sm120: {LAUNCH_PLAN_ENV} unreadable ({reason}): ignored")
         return None
     _last_plan[:] = [plan]
