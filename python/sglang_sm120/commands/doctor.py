@@ -27,7 +27,7 @@ _WORKER_REPORT = (
     "import json, sglang.srt.managers.scheduler\n"
     "from sglang.srt.plugins import load_plugins\n"
     "load_plugins()\n"
-    "from sglang_sm120.server.plugin import verify_applied\n"
+    "from sglang_sm120.server.status import verify_applied\n"
     "print('WORKER ' + json.dumps(verify_applied()))\n"
 )
 
@@ -67,7 +67,8 @@ def _plugin_state() -> dict[str, Any]:
 
     from sglang_sm120.server.contract import check
     from sglang_sm120.server.patches import PATCHES, patch_name
-    from sglang_sm120.server.plugin import declared_contract, verify_applied
+    from sglang_sm120.server.plugin import declared_contract
+    from sglang_sm120.server.status import verify_applied
 
     discovered = any(
         ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
