@@ -26,11 +26,17 @@ KERNEL_REQUIRED_ENV = "SGLANG_SM120_KERNEL_REQUIRED"
 
 
 def kernel_required() -> bool:
-    """SGLANG_SM120_KERNEL_REQUIRED=1 (or a deprecated spelling, read by the kernel package's
-    own env module, which is pure Python and importable from the checkout's sources)."""
+    """SGLANG_SM120_KERNEL_REQUIRED on (or a deprecated spelling, read by the kernel package's
+    own env module, which is pure Python and importable from the checkout's sources), in the
+    package's switch words (``env_values.switch_value``: true, on, ... too); a value that is
+    no switch word fails the test that asks, naming it."""
     from sgl_kernel_sm120 import env
+    from sglang_sm120.env_values import switch_value
 
-    return env.get(env.KERNEL_REQUIRED) == "1"
+    try:
+        return switch_value(env.get(env.KERNEL_REQUIRED)) is True
+    except ValueError as exc:
+        pytest.fail(f"{KERNEL_REQUIRED_ENV}={exc}")
 
 
 def library_missing() -> str | None:

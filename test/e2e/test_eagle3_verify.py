@@ -57,6 +57,7 @@ from sglang_sm120.commands.selftest import (
     greedy_check,
     plan_checks,
 )
+from sglang_sm120.server.env_report import E2E_MIN_ACCEPT
 
 _MISSING = missing_prerequisite()
 if _MISSING:
@@ -212,9 +213,9 @@ def _real_pair() -> tuple[str, str] | None:
 
 def real_pair_threshold(target: str, draft: str) -> tuple[float, str]:
     """(min accept length, where it comes from); the env override wins."""
-    override = os.environ.get("SGLANG_SM120_E2E_MIN_ACCEPT")
-    if override:
-        return float(override), "SGLANG_SM120_E2E_MIN_ACCEPT"
+    override = E2E_MIN_ACCEPT.read()  # a finite number in (0, 64]; else one warning, unset
+    if override is not None:
+        return override, E2E_MIN_ACCEPT.name
     known = known_threshold(target, draft)
     if known is None:
         pytest.fail(

@@ -908,3 +908,220 @@ def test_a_launch_plan_with_a_bad_value_is_ignored_naming_the_field(
     assert len(warnings) == 1 and "\n" not in warnings[0], warnings
     assert warnings[0].startswith(f"sglang-sm120: {runtime.LAUNCH_PLAN_ENV} unreadable (")
     assert fragment in warnings[0], warnings[0]
+
+
+# ---- issue 27 kinds 4-8: variables
+# Each row: the variable and its value, the call that reads it, and what the one line (a
+# refusal, a warning) must say; the call never raises anything but that one refusal.
+
+HUGE = "9" * 200
+LONG = "x" * 5000
+
+
+def _no_ours(monkeypatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SGLANG_SM120_", "SGL_KERNEL_SM120_", "SGLANG_KERNEL_SM120_")):
+            monkeypatch.delenv(name)
+
+
+# kind 4: sgl-kernel-sm120's tuning variables have a bound the kernels honour, named when refused
+KERNEL_BOUND_ROWS = [
+    ("SGLANG_SM120_ONESHOT_MAX_BYTES", str(2**40), "is above the bound 67108864"),
+    ("SGLANG_SM120_BLOCK_BYTES", str(2**40), "is above the bound 67108864"),
+    ("SGLANG_SM120_FUSED_ROWS_PER_BLOCK", str(2**40), "is above the bound 2048"),
+    ("SGLANG_SM120_MAX_BLOCKS", str(2**40), "SGLANG_SM120_MAX_BLOCKS='1099511627776' is above"),
+    ("SGLANG_SM120_BLOCK_BYTES", HUGE, "'9999999999999999999999999999999999999999' is above"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "line"), KERNEL_BOUND_ROWS)
+def test_kernel_tuning_variables_past_their_bound_are_refused(monkeypatch, name, value, line):
+    from sgl_kernel_sm120.config import resolve_tuning
+
+    _no_ours(monkeypatch)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="bound") as refused:
+        resolve_tuning(2)
+    assert line in str(refused.value) and len(str(refused.value)) < 200
+
+
+def test_kernel_tuning_variables_at_their_bound_are_used(monkeypatch):
+    from sgl_kernel_sm120 import config
+
+    _no_ours(monkeypatch)
+    monkeypatch.setenv("SGLANG_SM120_BLOCK_BYTES", str(config.MAX_MESSAGE_BYTES))
+    monkeypatch.setenv("SGLANG_SM120_FUSED_ROWS_PER_BLOCK", str(config.MAX_TOKENS))
+    tuning = config.resolve_tuning(2)
+    assert (tuning.block_bytes, tuning.fused_rows_per_block) == (64 << 20, 2048)
+
+
+# kind 5: every switch and every numeric knob goes through the one reader and its words
+def _kernel_required() -> bool:
+    from kernel_library import kernel_required
+
+    return kernel_required()
+
+
+def _startup_s() -> float:
+    from sglang_sm120.server.env_report import E2E_STARTUP_S
+
+    return E2E_STARTUP_S.read()
+
+
+def _e2e_tp() -> tuple:
+    from sglang_sm120.commands.e2e import TP_SIZES, env_list
+
+    return env_list("SGLANG_SM120_E2E_TP", TP_SIZES)
+
+
+SWITCH_AND_KNOB_ROWS = [
+    ("SGLANG_SM120_KERNEL_REQUIRED", "true", _kernel_required, True, None),
+    ("SGLANG_SM120_KERNEL_REQUIRED", " On ", _kernel_required, True, None),
+    ("SGLANG_SM120_KERNEL_REQUIRED", "0", _kernel_required, False, None),
+    ("SGLANG_SM120_E2E_STARTUP_S", "", _startup_s, 900.0, None),
+    ("SGLANG_SM120_E2E_STARTUP_S", "abc", _startup_s, 900.0, "'abc' is not a number"),
+    ("SGLANG_SM120_E2E_STARTUP_S", "nan", _startup_s, 900.0, "'nan' is not a number in"),
+    ("SGLANG_SM120_E2E_STARTUP_S", "inf", _startup_s, 900.0, "'inf' is not a number in"),
+    ("SGLANG_SM120_E2E_STARTUP_S", "-5", _startup_s, 900.0, "'-5' is not a number in"),
+    ("SGLANG_SM120_E2E_STARTUP_S", "1e400", _startup_s, 900.0, "(0, 86400.0]"),
+    ("SGLANG_SM120_E2E_STARTUP_S", "120", _startup_s, 120.0, None),
+    ("SGLANG_SM120_E2E_TP", "2,x", _e2e_tp, (1, 2, 4, 8), "'x' is not an integer"),
+    ("SGLANG_SM120_E2E_TP", "0", _e2e_tp, (1, 2, 4, 8), "'0' is not an integer in (0, 8]"),
+    ("SGLANG_SM120_E2E_TP", "2, 4", _e2e_tp, (2, 4), None),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "read", "expected", "line"),
+    SWITCH_AND_KNOB_ROWS,
+    ids=[f"{r[0]}={r[1]!r}" for r in SWITCH_AND_KNOB_ROWS],
+)
+def test_switch_and_knob_words(monkeypatch, caplog, name, value, read, expected, line):
+    from sglang_sm120.server import runtime
+
+    _no_ours(monkeypatch)
+    monkeypatch.setattr(runtime, "_logged", set())
+    monkeypatch.setenv(name, value)
+    assert read() == expected
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if line is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and f"{name}=" in warnings[0] and line in warnings[0], warnings
+
+
+# kind 6: a long value is shown escaped and cut at 40 characters, never a traceback
+HOST_CHECKS = (sys.executable, "-m", "sglang_sm120.machine.host_checks")
+LONG_VALUE_COMMAND_ROWS = [
+    ({"SGLANG_SM120_TOPOLOGY": "nope"}, "'nope' is neither an embedded profile"),
+    ({"SGLANG_SM120_TOPOLOGY": LONG}, "(5000 characters) is no usable file name"),
+    ({"SGLANG_SM120_TOPOLOGY": HUGE}, "'9999999999999999999999999999999999999999'..."),
+    ({"SGLANG_SM120_TOPOLOGY": "a\nb"}, "'a\\nb' is neither"),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "line"), LONG_VALUE_COMMAND_ROWS, ids=["nope", "long", "huge", "nl"]
+)
+def test_host_checks_module_with_a_bad_topology_is_one_line(env, line):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
+    proc = subprocess.run(
+        HOST_CHECKS, capture_output=True, text=True, env={**full_env, **env}, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and line in lines[0] and len(lines[0]) < 400, lines
+
+
+LONG_VALUE_REPORT_ROWS = [
+    ("SGLANG_SM120_ANY_ARCH", HUGE, "refused (only 1 turns validation mode on)"),
+    ("SGLANG_SM120_DISABLE", HUGE, "is not a switch value"),
+    ("SGLANG_SM120_FUSION_BACKEND", HUGE, "refused (not one of auto, off, trtllm, sm120_pcie)"),
+    ("SGLANG_SM120_TOPOLOGY", LONG, "is no usable file name"),
+    ("SGLANG_SM120_TIMEOUT_MS", "9" * 5000, "is not an integer"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "status"), LONG_VALUE_REPORT_ROWS)
+def test_doctor_variables_show_a_long_value_cut(monkeypatch, name, value, status):
+    from sglang_sm120.server.env_report import variables_report
+
+    _no_ours(monkeypatch)
+    monkeypatch.setenv(name, value)
+    (row,) = [r for r in variables_report() if r["name"] == name]
+    assert row["value"] == repr(value[:40]) + f"... ({len(value)} characters)"
+    assert status in row["status"] and value[:41] not in row["status"], row
+
+
+@pytest.mark.parametrize(("name", "value", "warning"), LONG_VALUE_REPORT_ROWS[:3])
+def test_the_server_warning_for_a_long_value_is_cut(monkeypatch, caplog, name, value, warning):
+    from sglang_sm120.server import runtime
+
+    _no_ours(monkeypatch)
+    monkeypatch.setattr(runtime, "_logged", set())
+    monkeypatch.setenv(name, value)
+    runtime.plugin_disabled(), runtime.validation_mode(), runtime.plugin_backend()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "(200 characters)" in line and value[:41] not in line and len(line) < 250, line
+
+
+# kind 7: a path of bytes that are not UTF-8 is printed escaped (stdout strictly UTF-8 here)
+def test_plan_prints_a_non_utf8_kernel_library_path_escaped():
+    proc = run_bounded(
+        "plan",
+        *PCIE8,
+        "--tp",
+        "2",
+        "--model-arch",
+        "DeepseekV3ForCausalLM",
+        env={
+            "PYTHONIOENCODING": "utf-8",
+            "SGLANG_SM120_FUSION_BACKEND": "sm120_pcie",
+            "SGLANG_SM120_KERNEL_LIBRARY": os.fsdecode(b"/no/\xff\nlib.so"),
+        },
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "/no/\\udcff\\nlib.so not found" in proc.stdout, proc.stdout
+
+
+def test_the_variables_report_of_a_non_utf8_cache_dir_is_escaped(monkeypatch, tmp_path):
+    from sglang_sm120.server.env_report import variables_report
+
+    _no_ours(monkeypatch)
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", os.fsdecode(bytes(tmp_path) + b"/\xff\x01"))
+    (row,) = variables_report()
+    assert row["status"] == "accepted" and row["used"].endswith("/\\udcff\\x01"), row
+    row["used"].encode("utf-8")  # printable anywhere
+
+
+# kind 8: SGLANG_SM120_STATS_DIR: a name with control characters or non-UTF-8 bytes is refused,
+# and reading the patch's setting never creates a directory
+STATS_ROWS = [
+    ("stats\x01dir", "SGLANG_SM120_STATS_DIR='stats\\x01dir' refused"),
+    ("a\nb", "SGLANG_SM120_STATS_DIR='a\\nb' refused"),
+    (os.fsdecode(b"st\xffats"), "SGLANG_SM120_STATS_DIR='st\\udcffats' refused"),
+]
+
+
+@pytest.mark.parametrize(("value", "line"), STATS_ROWS, ids=["control", "newline", "not utf-8"])
+def test_a_stats_dir_name_that_is_not_printable_is_refused(monkeypatch, value, line):
+    from sglang_sm120.planning.policy import Capability
+    from sglang_sm120.server.patches import graph_stats
+
+    _no_ours(monkeypatch)
+    monkeypatch.setenv("SGLANG_SM120_STATS_DIR", value)
+    reason = graph_stats.not_needed(Capability(True, True, True, ()))
+    assert reason is not None and line in reason, reason
+
+
+def test_the_stats_patch_creates_its_directory_only_when_it_writes(monkeypatch, tmp_path):
+    from sglang_sm120.server.patches import graph_stats
+
+    _no_ours(monkeypatch)
+    directory = tmp_path / "stats"
+    monkeypatch.setenv("SGLANG_SM120_STATS_DIR", str(directory))
+    monkeypatch.setattr(graph_stats.atexit, "register", lambda fn: None)
+    graph_stats.apply_setting()
+    assert not directory.exists()  # doctor's TP-worker rehearsal counts nothing, writes nothing
+    graph_stats._stats.bump(graph_stats._stats.captures, "DECODE")
+    assert (directory / f"sm120-stats-{os.getpid()}.json").is_file()

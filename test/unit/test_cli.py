@@ -335,3 +335,34 @@ def test_doctors_forked_worker_check_reports_a_worker_that_cannot_load(monkeypat
     assert list(statuses) == ["(worker)"]
     assert statuses["(worker)"].startswith("could not load the plugin as a TP worker would: ")
     assert "sglang.srt.managers.scheduler" in statuses["(worker)"]
+
+
+def test_doctor_lists_every_variable_set_accepted_or_refused(tmp_path):
+    """Issue 26.7: the server warns about SGLANG_SM120_TIMEOUT_MS=18446744073710 and uses 60 s;
+    doctor says so too, in text and JSON, and creates no stats directory on the way."""
+    env = {
+        "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
+        "SGLANG_SM120_TIMEOUT_MS": "18446744073710",
+        "SGLANG_SM120_STATS_DIR": "stats\x01dir",
+        "SGLANG_SM120_E2E_STARTUP_S": "",  # empty counts as unset: not listed
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_sm120.commands.cli", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}, **env},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["name"]: row for row in json.loads(proc.stdout)["variables"]}
+    assert rows["SGLANG_SM120_TIMEOUT_MS"] == {
+        "name": "SGLANG_SM120_TIMEOUT_MS",
+        "value": "'18446744073710'",
+        "status": "refused (SGLANG_SM120_TIMEOUT_MS='18446744073710' is above the bound 3600000)",
+        "used": "60000 in a server",
+    }
+    assert rows["SGLANG_SM120_STATS_DIR"]["status"].startswith("refused (holds control")
+    assert rows["SGLANG_SM120_TOPOLOGY"]["status"] == "accepted"
+    assert "SGLANG_SM120_E2E_STARTUP_S" not in rows
+    assert list(tmp_path.iterdir()) == []  # no directory named by the refused value

@@ -2,8 +2,9 @@
 
     machine  <  planning  <  server  <  commands
 
-``strict_json`` and ``version`` sit below every layer and import nothing of ours; the package
-root (``sglang_sm120/__init__.py``) is SGLang's entry point and nothing of ours imports it.
+``env_values``, ``strict_json`` and ``version`` sit below every layer and import nothing of
+ours; the package root (``sglang_sm120/__init__.py``) is SGLang's entry point and nothing of
+ours imports it.
 Every import counts, a function's lazy one too: a lazy import still runs, only later.
 """
 
@@ -18,7 +19,7 @@ import sglang_sm120
 PACKAGE = "sglang_sm120"
 ROOT = Path(sglang_sm120.__file__).parent
 LAYERS = ("machine", "planning", "server", "commands")
-BASE = ("strict_json", "version")
+BASE = ("env_values", "strict_json", "version")
 
 
 def module_name(path: Path) -> str:

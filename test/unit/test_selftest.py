@@ -358,6 +358,10 @@ def test_selftest_without_gpus_says_so_in_one_line_and_exits_2(args, env) -> Non
         (("--target", "/m/t"), "--target and --draft go together"),
         (("--tp", "3"), "the tiny models shard to tp 1, 2, 4, 8, not 3"),
         (("--tp", "0", "--target", "/m/t", "--draft", "/m/d"), "--tp must be at least 1, not 0"),
+        (  # the newline a user typed is shown escaped, not printed raw (docs/commands.md)
+            ("--target", "/no\nsuch", "--draft", "/m/d"),
+            "--target /no\\nsuch: no such directory",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys) -> None:

@@ -66,6 +66,11 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A path from the environment may hold bytes that are not UTF-8 (os.fsdecode keeps them as
+    # surrogates): shown escaped, never a UnicodeEncodeError, whatever the locale's stdio says.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -194,7 +194,18 @@ def import_sglang() -> None:
     import sglang.srt.plugins  # noqa: F401
 
 
+def _variable_lines(rows: list[dict[str, str]]) -> list[str]:
+    """The variables section: each one set, its value, accepted or refused, what is used."""
+    if not rows:
+        return ["variables: none of ours set"]
+    lines = ["variables (set; refused ones are replaced by what is used):"]
+    for row in rows:
+        lines.append(f"  {row['name']}={row['value']}: {row['status']}; uses {row['used']}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
+    from sglang_sm120.server.env_report import variables_report
     from sglang_sm120.server.runtime import (
         findings_describe,
         host_findings,
@@ -202,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         validation_mode,
     )
 
+    variables = variables_report()  # before loading plugins, which drop an inherited plan
     progress("reading the GPUs, loading SGLang ...")
     facts = current_facts()
     tp_size = args.tp or max(len(facts.gpus), 1)
@@ -231,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         **state,
         "kill_switch": plugin_disabled(),
         "validation_mode": validation_mode(),
+        "variables": variables,
         "kernel_images": coverage,
         "host_checks": [check.to_json() for check in findings.checks],
         "host_checks_used_by_plan": host is not None,
@@ -272,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         )
     lines += plan_lines(plan, tp_size)
     lines += _coverage_lines(coverage)
+    lines += _variable_lines(variables)
     print("\n".join(lines))
     return 0
 

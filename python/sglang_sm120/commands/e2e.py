@@ -24,6 +24,7 @@ Environment knobs of the e2e test suite (all optional):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -38,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from sglang_sm120.server.env_report import E2E_STARTUP_S, LIST_KNOBS
 
 TP_SIZES = (1, 2, 4, 8)
 BACKENDS = ("off", "auto", "trtllm", "sm120_pcie")
@@ -104,11 +107,13 @@ def known_threshold(target: str, draft: str) -> tuple[float, str] | None:
 
 
 def env_list(name: str, default: tuple) -> tuple:
+    """A comma list: the integer knobs (``env_report.LIST_KNOBS``) checked by their reader,
+    each item 1..its bound (a bad one: one warning, ``default``); other lists as words."""
+    knob = next((k for k in LIST_KNOBS if k.name == name), None)
+    if knob is not None:
+        return dataclasses.replace(knob, default=default).read()
     raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    cast = type(default[0])
-    return tuple(cast(x.strip()) for x in raw.split(",") if x.strip())
+    return tuple(x.strip() for x in raw.split(",") if x.strip()) or default
 
 
 SERVER_ARGS_ENV = "SGLANG_SM120_E2E_SERVER_ARGS"
@@ -420,7 +425,7 @@ class ServerRuns:
         self.work_dir = work_dir
         self.log_dir = log_dir
         self.results: dict[Launch, RunResult] = {}
-        self.startup_s = float(os.environ.get("SGLANG_SM120_E2E_STARTUP_S", "900"))
+        self.startup_s = E2E_STARTUP_S.read()
         self.progress = progress or (lambda line: None)
         self.progress_every_s = 15.0
         self.started = 0

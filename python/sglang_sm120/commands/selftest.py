@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sm120.commands import e2e
+from sglang_sm120.commands.args import one_line
 from sglang_sm120.machine.facts import HostFacts, describe_gpus, probe_host
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.version import __version__
@@ -555,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
     gpus = visible_gpus()
     problem = problem or cannot_run(gpus, args.tp)
     if problem:
-        print(f"sglang-sm120 selftest: {problem}", file=sys.stderr)
+        print(f"sglang-sm120 selftest: {one_line(problem)}", file=sys.stderr)
         return 2
     tp = args.tp or default_tp(len(gpus.gpus))
     args.backend = args.backend or plugin_backend() or "auto"

@@ -27,6 +27,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from sglang_sm120.env_values import printable, shown
 from sglang_sm120.machine.topology import TopologyError, check_topology
 from sglang_sm120.strict_json import read_json_file, read_regular_file
 
@@ -123,7 +124,12 @@ def sm120_kernel_problem() -> str | None:
             version = metadata.version("sgl-kernel-sm120")
         except metadata.PackageNotFoundError:
             version = "(from sources)"
-        return f"sgl-kernel-sm120 {version} is installed, but its library does not load: {exc}"
+        # the message names the library's path, which $SGLANG_SM120_KERNEL_LIBRARY may have
+        # filled with any bytes
+        return (
+            f"sgl-kernel-sm120 {version} is installed, but its library does not load: "
+            f"{printable(str(exc))}"
+        )
     return None
 
 
@@ -317,9 +323,14 @@ def facts_from_spec(spec: str) -> HostFacts:
     """A profile name or a topology file path; TopologyError when it is neither."""
     if spec in profile_names():
         return load_profile(spec)
-    if not Path(spec).exists():
+    try:
+        exists = Path(spec).exists()
+    except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL
+        problem = exc.strerror or str(exc)
+        raise TopologyError(f"{shown(spec)} is no usable file name ({problem})") from None
+    if not exists:
         raise TopologyError(
-            f"{spec!r} is neither an embedded profile ({', '.join(profile_names())}) "
+            f"{shown(spec)} is neither an embedded profile ({', '.join(profile_names())}) "
             "nor an existing topology JSON file"
         )
     return load_topology(spec)

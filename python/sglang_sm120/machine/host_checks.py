@@ -1108,8 +1108,12 @@ if (
     parser.add_argument("--json", action="store_true")
     options = parser.parse_args()
     from sglang_sm120.machine.facts import current_facts
+    from sglang_sm120.machine.topology import TopologyError
 
-    tp = options.tp or max(len(current_facts().gpus), 1)
+    try:
+        tp = options.tp or max(len(current_facts().gpus), 1)
+    except TopologyError as exc:  # a bad SGLANG_SM120_TOPOLOGY: one line, as the CLI says it
+        parser.exit(2, f"{parser.prog}: {exc}\n")
     results = run_host_checks(tp, options.hidden)
     if options.json:
         print(json.dumps([c.to_json() for c in results], indent=1))

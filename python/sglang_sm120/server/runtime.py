@@ -37,6 +37,7 @@ from collections.abc import Collection
 from typing import Any
 
 from sglang_sm120 import strict_json
+from sglang_sm120.env_values import number, shown, switch_value
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import SYSFS_ROOT_ENV, HostFindings, run_host_checks
 from sglang_sm120.machine.topology import MAX_TP_SIZE
@@ -57,10 +58,6 @@ logger = logging.getLogger("sglang_sm120")
 
 PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
 DISABLE_ENV = "SGLANG_SM120_DISABLE"
-# A superset of upstream's EnvBool words (true/1/yes/y, false/0/no/n): a value upstream reads
-# one way never reads the other way here.
-SWITCH_ON = ("1", "true", "yes", "y", "on")
-SWITCH_OFF = ("0", "false", "no", "n", "off")
 LAUNCH_PLAN_ENV = "SGLANG_SM120_LAUNCH_PLAN"
 # SGLang starts every scheduler with this environment, and Linux refuses to start a program
 # whose environment holds a string over MAX_ARG_STRLEN (128 KiB: "Argument list too long").
@@ -178,25 +175,39 @@ def logging_configured(first: str) -> None:
 
 
 def env_switch(name: str, unreadable: bool | None = None) -> bool | None:
-    """The boolean switch ``name``, read one way for every switch the package reads: 1, true,
-    yes, y, on -> True; 0, false, no, n, off -> False (any case, surrounding spaces ignored);
+    """The boolean switch ``name``, read one way for every switch the package reads
+    (``env_values.switch_value``): 1, true, yes, y, on -> True; 0, false, no, n, off -> False;
     unset or empty -> None. Anything else is ``unreadable`` (None: the caller's default), with
     one warning naming the variable and the value."""
-    raw = os.environ.get(name)
-    value = (raw or "").strip().lower()
-    if value in SWITCH_ON:
-        return True
-    if value in SWITCH_OFF:
-        return False
-    if value:
+    try:
+        return switch_value(os.environ.get(name))
+    except ValueError as exc:
         taken = "ignored, default kept" if unreadable is None else f"read as {_onoff(unreadable)}"
-        log_once(
-            logging.WARNING,
-            f"sglang-sm120: {name}={raw!r} is not a switch value "
-            f"({'/'.join(SWITCH_ON)} or {'/'.join(SWITCH_OFF)}): {taken}",
-        )
+        log_once(logging.WARNING, f"sglang-sm120: {name}={exc}: {taken}")
         return unreadable
-    return None
+
+
+def env_int(name: str, default: int, *, maximum: int) -> int:
+    """The integer variable ``name``, 1..``maximum`` (``env_values.number``); unset or empty ->
+    ``default``, and so is a value refused, with one warning naming the variable, the value
+    and the bound."""
+    return _env_number(name, default, int, maximum)
+
+
+def env_float(name: str, default: float, *, maximum: float) -> float:
+    """``env_int``'s twin for a finite number above 0 and at most ``maximum`` (no nan, inf)."""
+    return _env_number(name, default, float, maximum)
+
+
+def _env_number(name: str, default: Any, kind: type, maximum: float) -> Any:
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return number(name, raw, kind, maximum=maximum)
+    except ValueError as exc:
+        log_once(logging.WARNING, f"sglang-sm120: {exc}: using {default}")
+        return default
 
 
 def _onoff(value: bool) -> str:
@@ -217,7 +228,8 @@ def validation_mode() -> bool:
     if value not in ("", "0", "1"):
         log_once(
             logging.WARNING,
-            f"sglang-sm120: {VALIDATION_ENV}={value!r} ignored: only 1 turns validation mode on",
+            f"sglang-sm120: {VALIDATION_ENV}={shown(value)} ignored: "
+            "only 1 turns validation mode on",
         )
     return value == "1"
 
@@ -259,7 +271,7 @@ def plugin_backend() -> str | None:
     if raw not in PLUGIN_BACKEND_CHOICES:
         log_once(
             logging.WARNING,
-            f"sglang-sm120: {PLUGIN_BACKEND_ENV}={raw!r} ignored; "
+            f"sglang-sm120: {PLUGIN_BACKEND_ENV}={shown(raw)} ignored; "
             f"choose one of {', '.join(PLUGIN_BACKEND_CHOICES)}",
         )
         return None

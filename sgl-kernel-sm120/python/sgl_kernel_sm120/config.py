@@ -30,12 +30,19 @@ DEFAULT_TIMEOUT_MS = 5000
 # working peer needs and far inside the word.
 MAX_TIMEOUT_MS = 3_600_000
 DEFAULT_BLOCK_BYTES = 4096
+# The largest message a workspace carries (MAX_TOKENS x MAX_HIDDEN bf16/fp16 elements): a
+# one-shot threshold or a block size past it changes nothing (every message is one-shot, one
+# block), so SGLANG_SM120_ONESHOT_MAX_BYTES and SGLANG_SM120_BLOCK_BYTES are bounded by it.
+MAX_MESSAGE_BYTES = MAX_TOKENS * MAX_HIDDEN * ELEMENT_BYTES  # 64 MiB
 # Up to one block per SM (capped by what the GPU holds): a one-shot push scales with the SMs
 # that push (2x H200, 256 tokens: 20.6 us at 64 blocks, 17.2 at 128). Measured over NVLink only.
 DEFAULT_MAX_BLOCKS = 128
+MAX_BLOCKS = _lib.MAX_BLOCKS  # the grid the kernels' flags are laid out for
 # 2x H200 (NVLink), TP2, hidden 7168: the two-launch form was 11-14% faster wherever a block
 # owned several rows (256-2048 tokens) and equal elsewhere (README, "Measured").
 DEFAULT_FUSED_ROWS_PER_BLOCK = 1
+# A call has at most MAX_TOKENS rows: a bound past it never splits either.
+MAX_FUSED_ROWS_PER_BLOCK = MAX_TOKENS
 
 FLAGS_OFFSET = 0
 CONTROL_OFFSET = _lib.FLAG_WORDS * 4  # 16 KiB of flags, then control words and call state
@@ -114,17 +121,17 @@ def resolve_tuning(
     so a rank whose blocks cannot be scheduled would stall everyone until the timeout.
     """
     check_world_size(world_size)
-    oneshot = oneshot_max_bytes or env_int(ENV_ONESHOT_MAX_BYTES)
+    oneshot = _setting("oneshot_max_bytes", oneshot_max_bytes, MAX_MESSAGE_BYTES)
     oneshot = oneshot or default_oneshot_max_bytes(world_size)
-    block = block_bytes or env_int(ENV_BLOCK_BYTES) or DEFAULT_BLOCK_BYTES
-    blocks = max_blocks or env_int(ENV_MAX_BLOCKS)
+    block = _setting("block_bytes", block_bytes, MAX_MESSAGE_BYTES) or DEFAULT_BLOCK_BYTES
+    blocks = _setting("max_blocks", max_blocks, MAX_BLOCKS)
     if blocks is None:
         blocks = DEFAULT_MAX_BLOCKS
         if resident_blocks is not None:
             blocks = min(blocks, resident_blocks // max(1, ranks_per_gpu))
-    if not 1 <= blocks <= _lib.MAX_BLOCKS:
+    if blocks < 1:
         raise ValueError(
-            f"max_blocks={blocks} must be in [1, {_lib.MAX_BLOCKS}]"
+            f"max_blocks={blocks} must be in [1, {MAX_BLOCKS}]"
             + (
                 f" (the GPU holds {resident_blocks} blocks for {ranks_per_gpu} ranks)"
                 if resident_blocks is not None
@@ -138,7 +145,8 @@ def resolve_tuning(
         )
     timeout = check_timeout_ms(timeout_ms or env_timeout_ms() or DEFAULT_TIMEOUT_MS)
     rows_per_block = (
-        fused_rows_per_block or env_int(ENV_FUSED_ROWS_PER_BLOCK) or DEFAULT_FUSED_ROWS_PER_BLOCK
+        _setting("fused_rows_per_block", fused_rows_per_block, MAX_FUSED_ROWS_PER_BLOCK)
+        or DEFAULT_FUSED_ROWS_PER_BLOCK
     )
     return Tuning(
         oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
@@ -147,6 +155,24 @@ def resolve_tuning(
         timeout_ms=timeout,
         fused_rows_per_block=rows_per_block,
     )
+
+
+ENV_OF_SETTING = {
+    "oneshot_max_bytes": ENV_ONESHOT_MAX_BYTES,
+    "block_bytes": ENV_BLOCK_BYTES,
+    "max_blocks": ENV_MAX_BLOCKS,
+    "fused_rows_per_block": ENV_FUSED_ROWS_PER_BLOCK,
+}
+
+
+def _setting(name: str, argument: int | None, maximum: int) -> int | None:
+    """An explicit argument, else its variable (``ENV_OF_SETTING``), else None; either one
+    past ``maximum`` is refused with the bound named."""
+    if not argument:
+        return env_int(ENV_OF_SETTING[name], maximum=maximum)
+    if not 1 <= argument <= maximum:
+        raise ValueError(f"{name}={argument} must be in [1, {maximum}]")
+    return argument
 
 
 def check_world_size(world_size: int) -> None:

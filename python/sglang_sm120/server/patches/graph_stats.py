@@ -3,12 +3,15 @@
 Why: the EAGLE-3 regression suite must prove that TARGET_VERIFY ran through graph replay and
     that the fused all-reduce + residual + RMSNorm was captured inside the verify graph;
     upstream exposes neither count.
-How: only when ``SGLANG_SM120_STATS_DIR`` is set. AROUND hooks on
+How: only when ``SGLANG_SM120_STATS_DIR`` is set to a printable name (one with control
+    characters or bytes that are not UTF-8 is refused: it would be created as is). AROUND hooks on
     ``DecodeCudaGraphRunner.capture_one_shape`` (captures per forward mode),
     ``DecodeCudaGraphRunner.execute`` (replays per forward mode) and
     ``flashinfer_allreduce_residual_rmsnorm`` (fused calls that returned a result while a
     capture was running), plus a peer timeout noted by ``peer_check``. Each process writes
-    ``<dir>/sm120-stats-<pid>.json`` at most once a second while counts change, and at exit.
+    ``<dir>/sm120-stats-<pid>.json`` at most once a second while counts change, and at exit;
+    the directory is created with the first file, so a process that counts nothing (doctor's
+    TP-worker rehearsal) creates nothing.
 Upstream: none; test instrumentation.
 Removal: when upstream reports graph replays per forward mode and fusion use in its metrics.
 """
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from sglang.srt.plugins.hook_registry import HookType
 
+from sglang_sm120.env_values import shown
 from sglang_sm120.planning.policy import Capability
 from sglang_sm120.server.contract import Symbol
 
@@ -79,6 +83,7 @@ class GraphStats:
             "patches": dict(PATCH_STATUS),
         }
         tmp = self.path.with_suffix(".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(data))
         tmp.replace(self.path)
         self._dirty = False
@@ -107,7 +112,13 @@ _stats: GraphStats | None = None
 
 
 def not_needed(cap: Capability) -> str | None:
-    return None if os.environ.get(STATS_ENV) else f"{STATS_ENV} unset"
+    from sglang_sm120.server.env_report import stats_dir_problem
+
+    raw = os.environ.get(STATS_ENV, "")
+    if not raw.strip():
+        return f"{STATS_ENV} unset"
+    problem = stats_dir_problem(raw)
+    return f"{STATS_ENV}={shown(raw)} refused: {problem}" if problem else None
 
 
 def count_captures(
@@ -145,9 +156,7 @@ def note_peer_error(message: str) -> None:
 
 def apply_setting() -> None:
     global _stats
-    directory = Path(os.environ[STATS_ENV])
-    directory.mkdir(parents=True, exist_ok=True)
-    _stats = GraphStats(directory)
+    _stats = GraphStats(Path(os.environ[STATS_ENV]))
     atexit.register(_stats.flush)
 
 

@@ -20,12 +20,20 @@ Removal: when upstream enables PCIe-IPC by topology detection.
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang.srt.plugins.hook_registry import HookType
 
+from sglang_sm120.env_values import shown
 from sglang_sm120.planning.policy import AllReducePlan, Capability
 from sglang_sm120.server.contract import Symbol
-from sglang_sm120.server.runtime import log_once, pcie_ipc_env, worker_plan, worker_tp_size
+from sglang_sm120.server.runtime import (
+    PCIE_IPC_ENV,
+    log_once,
+    pcie_ipc_env,
+    worker_plan,
+    worker_tp_size,
+)
 
 TARGET = "sglang.srt.distributed.device_communicators.pcie_ipc_ar.eligible_group"
 CONTRACT = (
@@ -58,7 +66,8 @@ def eligible_by_plan(original, *, group_name, world_size: int, deterministic: bo
     if user_choice and not plan.pcie_ipc_on:
         log_once(
             logging.WARNING,
-            f"sglang-sm120: SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 refused: {plain_reason(plan)}",
+            f"sglang-sm120: {PCIE_IPC_ENV}={shown(os.environ[PCIE_IPC_ENV])} refused: "
+            f"{plain_reason(plan)}",
         )
         return False
     from sglang.srt.environ import envs
