@@ -376,3 +376,28 @@ def test_sglang_kernel_0_4_10_main_ops_run_on_sm120_but_not_sm121():
     assert "sm_120a" in sm120.image.sass_archs and sm120.image.ptx_archs == ()
     assert sm120.coverage.how == "sass"
     assert sm121.coverage.how == "none"
+
+
+def test_the_scan_of_an_unchanged_library_is_read_from_the_cache(tmp_path, monkeypatch):
+    """doctor reads ~400 MB of kernel libraries; an unchanged file (path, size, mtime) is not
+    read again, a changed one is, and nothing is written where no cache directory exists."""
+    from sglang_sm120.machine import kernel_images
+
+    library = tmp_path / "lib" / "libk.so"
+    library.parent.mkdir()
+    library.write_bytes(b"\0" * 64)  # no ELF: scanned as unreadable, still a scan
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(cache))
+    scanned = []
+    real_scan = kernel_images.scan_library
+    monkeypatch.setattr(kernel_images, "scan_library", lambda p: scanned.append(p) or real_scan(p))
+
+    kernel_images.check_coverage((12, 0), [library])
+    assert not cache.exists()  # doctor creates no directory
+    cache.mkdir()
+    first = kernel_images.check_coverage((12, 0), [library])
+    again = kernel_images.check_coverage((12, 0), [library])
+    assert len(scanned) == 2 and again[0].image == first[0].image
+    library.write_bytes(b"\0" * 65)  # another size: scanned again
+    kernel_images.check_coverage((12, 0), [library])
+    assert len(scanned) == 3

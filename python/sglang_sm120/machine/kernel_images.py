@@ -30,6 +30,7 @@ Format notes (learned from public fatbin parsers and checked against `cuobjdump 
 from __future__ import annotations
 
 import importlib.util
+import json
 import mmap
 import os
 import re
@@ -39,6 +40,10 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from sglang_sm120.machine.cache import cache_dir
+from sglang_sm120.strict_json import read_json_file
 
 FATBIN_MAGIC = 0xBA55ED50
 _FATBIN_MAGIC_BYTES = struct.pack("<I", FATBIN_MAGIC)
@@ -587,9 +592,96 @@ def check_coverage(
     if libraries is None:
         libraries = discover_server_libraries(capability)
     results = []
+    scans = ScanCache.load()
     for library in libraries:
         if not isinstance(library, ServerLibrary):
             library = ServerLibrary(Path(library), "", True, "given explicitly")
-        image = scan_library(library.path)
+        image = scans.scan(library.path)
         results.append(LibraryCoverage(library, image, coverage(image, capability)))
+    scans.save()
     return results
+
+
+# ----------------------------------------------------------------------------- scan cache
+
+
+class ScanCache:
+    """Scans of library files kept in the cache directory, keyed by (path, size, mtime): the
+    same file is not read again (sglang-kernel alone is ~370 MB of libraries). Written only
+    into a cache directory that exists (``tune`` and ``p2p`` create it; doctor creates
+    nothing); a cache that cannot be read or written only costs the scan."""
+
+    VERSION = 1
+    MAX_BYTES = 4 << 20
+
+    def __init__(self, path: Path, entries: dict[str, Any]) -> None:
+        self.path, self.entries, self.changed = path, entries, False
+
+    @classmethod
+    def load(cls) -> ScanCache:
+        path = cache_dir() / f"kernel-images-v{cls.VERSION}.json"
+        try:
+            document = read_json_file(path, cls.MAX_BYTES)
+            entries = document["libraries"] if document.get("version") == cls.VERSION else {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            entries = {}
+        return cls(path, entries if isinstance(entries, dict) else {})
+
+    def scan(self, path: Path) -> KernelImage:
+        try:
+            info = path.stat()
+        except OSError:
+            return scan_library(path)
+        if not path.is_file():  # a directory of cubins: its mtime misses edits inside it
+            return scan_library(path)
+        key, stamp = str(path), [info.st_size, info.st_mtime_ns]
+        cached = self.entries.get(key)
+        if isinstance(cached, dict) and cached.get("stamp") == stamp:
+            try:
+                return _image_from_json(path, cached["image"])
+            except (KeyError, TypeError, ValueError):
+                pass
+        image = scan_library(path)
+        self.entries[key] = {"stamp": stamp, "image": _image_to_json(image)}
+        self.changed = True
+        return image
+
+    def save(self) -> None:
+        if not self.changed or not self.path.parent.is_dir():
+            return
+        document = {"version": self.VERSION, "libraries": self.entries}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(document))
+            tmp.replace(self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+
+
+def _image_to_json(image: KernelImage) -> dict[str, Any]:
+    return {
+        "sass_archs": list(image.sass_archs),
+        "ptx_archs": list(image.ptx_archs),
+        "units": [sorted(unit) for unit in image.units],
+        "error": image.error,
+        "notes": list(image.notes),
+    }
+
+
+def _image_from_json(path: Path, data: dict[str, Any]) -> KernelImage:
+    def strings(value: Any) -> tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError("not a list of strings")
+        return tuple(value)
+
+    error = data["error"]
+    if error is not None and not isinstance(error, str):
+        raise ValueError("error is not a string")
+    return KernelImage(
+        path,
+        strings(data["sass_archs"]),
+        strings(data["ptx_archs"]),
+        tuple(frozenset(strings(unit)) for unit in data["units"]),
+        error,
+        strings(data["notes"]),
+    )
