@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layer_stack_plan import sm120_pcie_plan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,33 +44,6 @@ def make_weights(world_size: int, seed: int = 0):
     return layers
 
 
-def sm120_pcie_plan(world_size: int):
-    """The plugin's plan on an 8x RTX PRO 6000 host with a tuning table in which sm120_pcie won
-    up to 8 tokens and NCCL above: the stack routes each point as the server would."""
-    import dataclasses
-
-    from sglang_sm120.machine.facts import load_profile
-    from sglang_sm120.planning.policy import Deployment, plan_allreduce
-    from sglang_sm120.planning.tuning import Measurement, TuningTable
-
-    facts = load_profile("rtx-pro-6000-x8-pcie")
-    facts = dataclasses.replace(facts, versions={**facts.versions, "sgl-kernel-sm120": "local"})
-    table = TuningTable(
-        {},
-        world_size,
-        HIDDEN,
-        "bfloat16",
-        (
-            Measurement("sm120_pcie", 8, 10.0, True),
-            Measurement("nccl", 8, 200.0, True),
-            Measurement("sm120_pcie", 64, 90.0, True),
-            Measurement("nccl", 64, 60.0, True),
-        ),
-    )
-    deployment = Deployment(world_size, model_arch="DeepseekV3ForCausalLM", tuning=table)
-    return plan_allreduce(facts, deployment, {"DeepseekV3ForCausalLM"})
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("tokens", [4, 32])
 def test_captured_stack_matches_allreduce_plus_norm(world_size, tokens):
@@ -77,10 +51,9 @@ def test_captured_stack_matches_allreduce_plus_norm(world_size, tokens):
     from sgl_kernel_sm120.testing import TOLERANCES, LocalRanks, max_violation, reference_fused
     from sglang_sm120.commands.tune import make_add_rmsnorm
 
-    plan = sm120_pcie_plan(world_size)
+    plan = sm120_pcie_plan(world_size, HIDDEN)
     assert plan.fusion_backend == "sm120_pcie" and plan.plain_allreduce == "sm120_pcie"
-    fused_here = plan.uses_sm120_pcie_at(tokens)
-    assert fused_here == (tokens <= 8)
+    fused_here = plan.uses_sm120_pcie_at(tokens)  # the plan's word, as the server follows it
     add_rmsnorm, _ = make_add_rmsnorm(HIDDEN, torch.bfloat16)
 
     def point(partial, residual, weight, ws):

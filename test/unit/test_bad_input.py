@@ -356,6 +356,13 @@ ROWS = [
         {"SGLANG_SM120_CACHE_DIR": "{file}"},
         "tune: SGLANG_SM120_CACHE_DIR={file} is not writable (a file, not a directory)",
     ),
+    (
+        "p2p cache dir a file",  # said before it measures, as tune does
+        ["p2p"],
+        {},
+        {"SGLANG_SM120_CACHE_DIR": "{file}"},
+        "p2p: SGLANG_SM120_CACHE_DIR={file} is not writable (a file, not a directory)",
+    ),
     ("tune tp zero", ["tune", "--tp", "0"], None, {}, "--tp: 0 is not a positive integer"),
     ("tune tokens zero", ["tune", "--tp", "2", "--tokens", "0"], None, {}, "--tokens: 0 is"),
     ("warmup vocab zero", ["warmup", "--vocab-size", "0"], None, {}, "--vocab-size: 0 is"),

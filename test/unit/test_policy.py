@@ -989,3 +989,18 @@ def test_validation_mode_changes_nothing_on_sm12x():
 def test_validation_mode_below_sm90_says_why():
     cap = hardware_capability(host(n=2, cap=(8, 0)), any_arch=True)
     assert not cap.sm12x and "below SM90 even in validation mode" in cap.reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "fused_up_to"),
+    [(2, 64), (4, 8), (8, 8)],  # TP2: upstream's custom all-reduce would take a declined point
+)
+def test_the_layer_stack_plan_fuses_where_its_table_and_world_size_say(world_size, fused_up_to):
+    """The GPU layer-stack test routes each point by this plan (sm120_pcie won up to 8 tokens,
+    NCCL above): at TP2 the plan declines nothing the table measured, above TP2 it declines
+    where NCCL won, so the GPU test runs both the fused and the unfused path."""
+    from layer_stack_plan import sm120_pcie_plan
+
+    plan = sm120_pcie_plan(world_size, 2048)
+    fused = {tokens: plan.uses_sm120_pcie_at(tokens) for tokens in (1, 4, 8, 9, 32, 64)}
+    assert fused == {tokens: tokens <= fused_up_to for tokens in fused}

@@ -90,9 +90,16 @@ STALE_PLAN = {
 
 
 def rehearse_spawner(
-    phase: str, model_dir: Path, tp: int, dp: int, tmp_path: Path, server_args: dict | None = None
+    phase: str,
+    model_dir: Path,
+    tp: int,
+    dp: int,
+    tmp_path: Path,
+    server_args: dict | None = None,
+    **script: str,
 ):
     env = {
+        **script,
         "REHEARSAL_SERVER_ARGS": json.dumps(server_args or {}),
         **os.environ,
         "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
@@ -121,6 +128,35 @@ def test_an_engine_process_is_named_and_hands_its_children_a_fresh_plan(model_di
         assert plan["tp_size"] == 2 and plan["gpu_ids"] == [0, 1]
         assert plan["plan"]["fusion_backend"] == "trtllm"  # TP2's default, not the stale plan's
         assert "a stale plan from another launch" not in plan["plan"]["reasons"]
+
+
+def test_an_engine_in_a_spawned_child_of_a_script_loading_plugins_plans(model_dirs, tmp_path):
+    """The script loads plugins at module level and runs the Engine in a child it spawns: the
+    child loads plugins while bootstrapping, before Engine.__init__ is on its stack, and must
+    still register the Engine's seams and hand the schedulers a fresh plan."""
+    result, log = rehearse_spawner(
+        "engine_in_child", model_dirs[KIMI], 2, 1, tmp_path, REHEARSAL_LOAD_AT_IMPORT="1"
+    )
+    assert [line for line in status_lines(log) if "(Engine)" in line], log[-3000:]
+    plans = [json.loads(child["launch_plan"] or "null") for child in result["children"]]
+    assert len(plans) == 2, result
+    for plan in plans:
+        assert plan is not None, log[-3000:]
+        assert plan["tp_size"] == 2 and plan["plan"]["fusion_backend"] == "trtllm"
+
+
+def test_a_scheduler_function_loading_plugins_itself_is_a_tp_worker(model_dirs, tmp_path):
+    """A fork's run_scheduler_process_func that calls load_plugins() before SGLang's scheduler
+    does, in a script that imported the Engine: the child's modules say "engine", yet it is a
+    TP worker and follows the plan its Engine published."""
+    result, log = rehearse_spawner(
+        "engine", model_dirs[KIMI], 2, 1, tmp_path, REHEARSAL_SCHEDULER="load_plugins_then_report"
+    )
+    assert len(result["children"]) == 2, result
+    for child in result["children"]:
+        assert child["role"] == "scheduler", (child, log[-3000:])
+        assert child["patches"]["resolve_backend"] == "registered"
+        assert json.loads(child["launch_plan"])["plan"]["fusion_backend"] == "trtllm"
 
 
 def test_a_direct_launch_server_caller_plans_for_its_children(model_dirs, tmp_path):

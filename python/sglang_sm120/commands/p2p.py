@@ -18,7 +18,7 @@ from typing import Any
 
 from sglang_sm120.commands.args import UsageError, gpu_list, positive_int
 from sglang_sm120.commands.tune import progress_bar
-from sglang_sm120.machine.cache import fingerprint_id, host_fingerprint
+from sglang_sm120.machine.cache import cache_write_problem, fingerprint_id, host_fingerprint
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import P2PSummary
 from sglang_sm120.machine.p2p_probe import (
@@ -284,6 +284,9 @@ def format_probe(document: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = cache_write_problem()  # said now, not after the measuring
+    if problem:
+        raise UsageError(problem)
     try:
         import torch
     except ImportError as exc:

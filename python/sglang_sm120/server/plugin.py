@@ -11,9 +11,9 @@ chain; the ``status_line`` patch calls it right after SGLang configures logging,
 Each process registers only what runs in it (``runtime.process_role``): the launcher the
 server-args pass, an Engine process that pass and its scheduler spawn, the DP controller its
 scheduler spawn, a scheduler process the worker-side seams, the detokenizer nothing (a child
-that loads plugins while multiprocessing is still starting it: a scheduler's and a DP
-controller's). Resolving a
-hook target imports its module, and the worker modules cost seconds to import.
+that loads plugins while multiprocessing is still starting it: an Engine's, a scheduler's and a
+DP controller's, since a script's child may create an Engine). Resolving a hook target imports
+its module, and the worker modules cost seconds to import.
 
 Order of refusals (first match wins; recorded as the patch status, WARNING/ERROR logged once):
 ``SGLANG_SM120_DISABLE=1`` -> not used in this process -> not needed on this hardware -> sglang

@@ -99,23 +99,53 @@ ROLE_MODULES = (
 SPAWNER_ROLES = ("launcher", "engine", "dp_controller")
 # load_plugins() ran while multiprocessing was still starting this process: a module-level call
 # in the parent's __main__, which a spawned child re-imports before it knows what it will run.
-# Such a child registers what the children SGLang spawns may need (BOOTSTRAPPING_ROLES), keeps
-# the plan it inherited, and learns its role when SGLang's entry function reports its status.
+# Such a child registers what the processes SGLang's API may run in it need (a script's child
+# may create an Engine; SGLang's children are schedulers and DP controllers), keeps the plan it
+# inherited, and learns its role when SGLang's entry function reports its status.
 BOOTSTRAPPING = "bootstrapping"
-BOOTSTRAPPING_ROLES = ("scheduler", "dp_controller")
+BOOTSTRAPPING_ROLES = ("engine", "scheduler", "dp_controller")
+# The scheduler function a spawner hands its schedulers ("module:qualname"), published next to
+# the plan: a fork's own ``run_scheduler_process_func`` may call load_plugins() before SGLang's
+# ``run_scheduler_process`` does, and is then the scheduler's entry on the stack.
+SCHEDULER_ENTRY_ENV = "SGLANG_SM120_SCHEDULER_ENTRY"
 
 _role: list[str] = []
 
 
-def role_from_stack(frame: Any) -> str | None:
-    """The role of the innermost ``ROLE_ENTRIES`` function on the stack from ``frame``."""
+def _module_name(name: str | None) -> str | None:
+    """A spawned child runs its parent's ``__main__`` as ``__mp_main__``: one module."""
+    return "__main__" if name == "__mp_main__" else name
+
+
+def _role_entries() -> dict[tuple[str | None, str], str]:
     entries = {(module, name): role for module, name, role in ROLE_ENTRIES}
+    module, _, qualname = os.environ.get(SCHEDULER_ENTRY_ENV, "").partition(":")
+    if module and qualname:
+        entries.setdefault((_module_name(module), qualname), "scheduler")
+    return entries
+
+
+def role_from_stack(frame: Any) -> str | None:
+    """The role of the innermost ``ROLE_ENTRIES`` function (or the scheduler function this
+    process's spawner named, ``SCHEDULER_ENTRY_ENV``) on the stack from ``frame``."""
+    entries = _role_entries()
     while frame is not None:
-        key = (frame.f_globals.get("__name__"), frame.f_code.co_qualname)
+        key = (_module_name(frame.f_globals.get("__name__")), frame.f_code.co_qualname)
         if key in entries:
             return entries[key]
         frame = frame.f_back
     return None
+
+
+def name_scheduler_entry(run_scheduler_process_func: Any) -> None:
+    """Tell the schedulers about to be spawned which function they run (``SCHEDULER_ENTRY_ENV``);
+    a callable without a module and qualified name (a partial) is not named."""
+    module = getattr(run_scheduler_process_func, "__module__", None)
+    qualname = getattr(run_scheduler_process_func, "__qualname__", None)
+    if module and qualname:
+        os.environ[SCHEDULER_ENTRY_ENV] = f"{_module_name(module)}:{qualname}"
+    else:
+        os.environ.pop(SCHEDULER_ENTRY_ENV, None)
 
 
 def _decide_role(frame: Any) -> str:
@@ -497,9 +527,11 @@ def plan_for_spawn(server_args: Any) -> AllReducePlan:
     return _publish(deployment, plan, published)
 
 
-def publish_for_schedulers(server_args: Any) -> None:
-    """What a process's patch calls right before it spawns schedulers (``plan_for_spawn``);
-    a failure to plan publishes nothing, logged, and never stops SGLang's start-up."""
+def publish_for_schedulers(server_args: Any, run_scheduler_process_func: Any) -> None:
+    """What a process's patch calls right before it spawns schedulers running
+    ``run_scheduler_process_func`` (``name_scheduler_entry``, ``plan_for_spawn``); a failure to
+    plan publishes nothing, logged, and never stops SGLang's start-up."""
+    name_scheduler_entry(run_scheduler_process_func)
     try:
         plan_for_spawn(server_args)
     except Exception:

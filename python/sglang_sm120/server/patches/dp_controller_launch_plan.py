@@ -41,8 +41,10 @@ def not_needed(cap: Capability) -> str | None:
     return None if cap.sm12x else cap.reasons[0]
 
 
-def plan_before_spawning_schedulers(self, server_args, *args, **kwargs) -> None:
-    runtime.publish_for_schedulers(server_args)
+def plan_before_spawning_schedulers(
+    self, server_args, port_args, run_scheduler_process_func, *args, **kwargs
+) -> None:
+    runtime.publish_for_schedulers(server_args, run_scheduler_process_func)
 
 
 HOOKS = ((TARGET, plan_before_spawning_schedulers, HookType.BEFORE),)

@@ -39,10 +39,12 @@ def not_needed(cap: Capability) -> str | None:
     return None if cap.sm12x else cap.reasons[0]
 
 
-def plan_before_spawning_schedulers(cls, server_args, *args, **kwargs) -> None:
+def plan_before_spawning_schedulers(
+    cls, server_args, port_args, run_scheduler_process_func, *args, **kwargs
+) -> None:
     if not runtime.logging_ready():
         status.announce()  # plugins loaded after SGLang configured this process's logging
-    runtime.publish_for_schedulers(server_args)
+    runtime.publish_for_schedulers(server_args, run_scheduler_process_func)
 
 
 HOOKS = ((TARGET, plan_before_spawning_schedulers, HookType.BEFORE),)
