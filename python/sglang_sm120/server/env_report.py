@@ -211,6 +211,7 @@ READERS: dict[str, Callable[[str], Reading]] = {
     STATS_ENV: _stats_dir,
     SYSFS_ROOT_ENV: lambda raw: (None, printable(raw)),
     runtime.LAUNCH_PLAN_ENV: _plain("internal: a launcher drops an inherited plan"),
+    runtime.SCHEDULER_ENTRY_ENV: _plain("internal: set by an Engine or DP controller"),
     **{
         name: _kernel_int(
             name, bound, "60000 in a server" if bound == "MAX_TIMEOUT_MS" else _NO_WORKSPACE
