@@ -155,7 +155,7 @@ def test_doctor_shows_a_kernel_library_that_does_not_load_and_plans_without_it()
         "SGLANG_SM120_FUSION_BACKEND": "sm120_pcie",
         "SGLANG_SM120_KERNEL_LIBRARY": broken,
     }
-    proc = run_cli("doctor", "--tp", "2", "--model-arch", KIMI, env=env)
+    proc = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     library = [line for line in lines if line.startswith("  sgl-kernel-sm120 library: ")]

@@ -23,7 +23,7 @@ from sglang_sm120.commands.args import (
     require_sglang,
 )
 from sglang_sm120.commands.plan import facts_lines, plan_for_args, plan_lines
-from sglang_sm120.machine.facts import current_facts
+from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import HostFindings, format_checks
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.version import SGLANG_PIN, __version__
@@ -185,6 +185,11 @@ def progress(message: str) -> None:
     print(f"sglang-sm120 doctor: {message}", file=sys.stderr, flush=True)
 
 
+def describe_source(facts: HostFacts) -> str:
+    gpus = f"{len(facts.gpus)} GPU{'s' if len(facts.gpus) != 1 else ''}" if facts.gpus else "no GPU"
+    return f"{gpus} ({facts.source})"
+
+
 def import_sglang() -> None:
     """SGLang's launcher-side modules, imported once: the worker check forks from here. The
     UserWarnings SGLang raises while importing on a machine without a GPU (AWQ, GGUF, Triton)
@@ -214,13 +219,13 @@ def run(args: argparse.Namespace) -> int:
     )
 
     variables = variables_report()  # before loading plugins, which drop an inherited plan
-    progress("reading the GPUs, loading SGLang ...")
-    facts = current_facts()
+    facts = current_facts()  # NVML or a topology: well under a second
     tp_size = args.tp or max(len(facts.gpus), 1)
     if facts.gpus:
         check_tp(facts, tp_size, args.nnodes)
     require_sglang()
-    check_upstream_flags(args)
+    check_upstream_flags(args)  # bad input is still one line, before any progress line
+    progress(f"{describe_source(facts)}; loading SGLang ...")
     import_sglang()
     progress("checking the plugin as the launcher and as a TP worker (forked) load it ...")
     worker_statuses = start_worker_check()
