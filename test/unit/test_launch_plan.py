@@ -200,3 +200,22 @@ def test_a_plan_that_would_not_fit_even_without_a_table_is_not_published(kernel_
     plan, published = runtime.plan_to_publish(kernel_host, Deployment(tp_size=8))
     assert published is None and not plan.managed
     assert plan.reasons[0].startswith("plan not published: it takes ")
+
+
+def test_an_instance_connector_publishes_no_plan_and_says_why(worker, caplog):
+    """Issue 26 item 5b. With ``--model-path instance://...`` SGLang returns before its fusion
+    auto-enable pass (arg_groups/model_hook.py), so the server args carry no fused backend to
+    compare with: the Engine publishes nothing and says so, not "resolved before sglang-sm120
+    loaded", and never raises. (A real ServerArgs with an instance path cannot be built on
+    CPU: SGLang opens the remote connector on a CUDA device; the check reads only the path.)"""
+    import types
+
+    args = types.SimpleNamespace(model_path="instance://127.0.0.1:30000", tp_size=2)
+    worker.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(published()))  # an inherited one
+    with caplog.at_level(logging.WARNING, logger="sglang_sm120"):
+        plan = runtime.plan_for_spawn(args)
+    assert not plan.managed and runtime.LAUNCH_PLAN_ENV not in __import__("os").environ
+    messages = [r.getMessage() for r in caplog.records if r.name == "sglang_sm120"]
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert "instance connector" in messages[0] and "resolved before" not in messages[0]
+    assert "instance connector" in plan.reasons[0]

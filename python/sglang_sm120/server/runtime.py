@@ -511,7 +511,21 @@ def plan_for_spawn(server_args: Any) -> AllReducePlan:
     an unresolved record) may say another fused backend than the plan: then nothing is
     published (ERROR), and the schedulers leave every decision to upstream."""
     from sglang.srt.arg_groups.overrides import resolution_result
+    from sglang.srt.connector import ConnectorType
+    from sglang.srt.utils.common import parse_connector_type
 
+    if parse_connector_type(server_args.model_path) == ConnectorType.INSTANCE:
+        reason = (
+            "plan not published: an instance connector (--model-path instance://...) makes "
+            "SGLang skip its fusion auto-enable pass and its model overrides, so there is no "
+            "model to plan for; upstream behaviour, untouched"
+        )
+        log_once(logging.WARNING, f"sglang-sm120: {reason}")
+        return _publish(
+            Deployment(tp_size=server_args.tp_size),
+            AllReducePlan(False, None, "upstream", (reason,)),
+            None,
+        )
     deployment = deployment_from_view(requested_view(server_args))
     plan, published = plan_to_publish(current_facts(), deployment)
     resolved = resolution_result(server_args, FUSION_FIELD)
