@@ -111,6 +111,13 @@ def test_launch_args_turn_on_eagle3_only_with_a_draft() -> None:
         assert spec[spec.index(flag) + 1] == value
     assert "--enforce-disable-flashinfer-allreduce-fusion" in spec
     assert "--disable-cuda-graph" not in spec  # the point is to run verify from graphs
+    assert "--max-total-tokens" not in spec  # SGLang sizes the KV pool unless told
+
+
+def test_a_capped_kv_pool_is_asked_for_before_the_extra_args() -> None:
+    capped = h.Launch("/m/t", 1, "auto", max_total_tokens=4096, extra_args=("--x", "1"))
+    args = capped.server_args(30000)
+    assert args[-4:] == ["--max-total-tokens", "4096", "--x", "1"]
 
 
 def test_equal_launches_share_one_server() -> None:
@@ -187,8 +194,10 @@ def test_launch_flags_parse_with_sglangs_own_parser() -> None:
     from sglang.srt.server_args import prepare_server_args
 
     for backend in h.BACKENDS:
-        argv = h.Launch("/m/target", 2, backend, "/m/draft").server_args(30000)
+        launch = h.Launch("/m/target", 2, backend, "/m/draft", max_total_tokens=4096)
+        argv = launch.server_args(30000)
         parsed = prepare_server_args(argv[argv.index("--model-path") :])
+        assert parsed.max_total_tokens == 4096
         assert parsed.tp_size == 2
         assert parsed.speculative_algorithm == "EAGLE3"
         steps, topk, tokens = h.SMALL_TREE
@@ -198,3 +207,92 @@ def test_launch_flags_parse_with_sglangs_own_parser() -> None:
             parsed.speculative_num_draft_tokens,
         ) == (steps, topk, tokens)
         assert parsed.enforce_disable_flashinfer_allreduce_fusion == (backend == "off")
+
+
+# ---------------------------------------------------------------- several launches at once
+
+
+def _slow_fake_server_args(launch: h.Launch, port: int) -> list[str]:
+    """The fake server, ready after 2 s; a target named "crash" exits at start instead."""
+    if launch.target == "crash":
+        return [sys.executable, "-c", "import sys; print('bad flag --x'); sys.exit(3)"]
+    return [*_fake_server_args(launch, port), "--startup-s", "2"]
+
+
+class Timeline:
+    """The harness's progress lines with the time each was heard."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[float, str]] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append((time.monotonic(), line))
+
+    def when(self, pattern: str) -> float:
+        return next(t for t, line in self.lines if re.search(pattern, line))
+
+
+@pytest.fixture
+def timed_runs(fake_runs, monkeypatch) -> tuple[h.ServerRuns, Timeline]:
+    monkeypatch.setattr(h.Launch, "server_args", _slow_fake_server_args)
+    timeline = Timeline()
+    fake_runs.progress = timeline
+    return fake_runs, timeline
+
+
+def test_launches_started_at_once_run_side_by_side(timed_runs) -> None:
+    runs, timeline = timed_runs
+    plain = h.Launch("fake", 1, "off", prompts=("a",), max_new_tokens=4, plugin=False)
+    spec = h.Launch("fake", 1, "off", draft="draft", prompts=("a",), max_new_tokens=4)
+    with runs.start([plain, spec], at_once=True) as servers:
+        first, second = servers.results()
+    assert first.launch == plain and second.launch == spec
+    # Each needs 2 s to be ready: each started before the other was ready.
+    assert timeline.when(f"starting server {plain.name} ") < timeline.when(f"{spec.name} ready")
+    assert timeline.when(f"starting server {spec.name} ") < timeline.when(f"{plain.name} ready")
+    assert runs.get(plain) is first and runs.get(spec) is second  # memoised
+    ports = {int(re.search(r"on port (\d+)", line).group(1)) for _, line in timeline.lines[:2]}
+    assert len(ports) == 2, timeline.lines
+    logs = sorted(p.name for p in runs.log_dir.glob("*.log"))
+    assert len(logs) == 2 and logs[0].startswith("00-") and logs[1].startswith("01-")
+
+
+def test_launches_one_after_the_other_do_not_overlap(timed_runs) -> None:
+    runs, timeline = timed_runs
+    plain = h.Launch("fake", 1, "off", prompts=("a",), max_new_tokens=4, plugin=False)
+    spec = h.Launch("fake", 1, "off", draft="draft", prompts=("a",), max_new_tokens=4)
+    with runs.start([plain, spec], at_once=False) as servers:
+        servers.results()
+    stopped = timeline.when(f"server {plain.name} stopped")
+    assert stopped < timeline.when(f"starting server {spec.name} ")
+
+
+def test_a_launch_that_fails_beside_another_is_reported_and_the_other_kept(timed_runs) -> None:
+    runs, _ = timed_runs
+    crash = h.Launch("crash", 1, "off", prompts=("a",))
+    good = h.Launch("fake", 1, "off", prompts=("a",), max_new_tokens=4, plugin=False)
+    with runs.start([crash, good], at_once=True) as servers:
+        failed, result = servers.results()
+    assert isinstance(failed, h.ServerFailed) and "bad flag --x" in str(failed)
+    assert isinstance(result, h.RunResult) and len(result.sequential_ids) == 1
+
+
+def test_leaving_the_block_by_an_exception_stops_every_server_it_started(timed_runs) -> None:
+    """What a signal does in the selftest: it raises in the main thread, which is waiting."""
+    runs, _ = timed_runs
+    runs.startup_s = 600
+    launches = [h.Launch(f"fake{i}", 1, "off", prompts=("a",)) for i in range(2)]
+
+    def worker_pids() -> list[int]:
+        text = "".join(p.read_text() for p in runs.log_dir.glob("*.log"))
+        return [int(pid) for pid in re.findall(r"(?:server|worker) pid (\d+)", text)]
+
+    deadline = time.monotonic() + 60
+    with pytest.raises(KeyboardInterrupt):
+        with runs.start(launches, at_once=True):
+            while len(worker_pids()) < 4:
+                assert time.monotonic() < deadline, worker_pids()
+                time.sleep(0.1)
+            raise KeyboardInterrupt
+    pids = worker_pids()
+    assert len(pids) == 4 and all(gone(pid) for pid in pids)

@@ -155,26 +155,84 @@ def test_a_crashing_server_fails_the_run_kills_its_left_workers_and_keeps_its_lo
     assert (
         Path(crashed.group(2)).parent == logs and "worker pid" in Path(crashed.group(2)).read_text()
     )
+    assert "reference server (upstream alone, plain)  starts and answers  ready after" in out
     assert_all_stopped(logs, err, servers=2)
+
+
+def wait_for_servers(proc: subprocess.Popen, tmp_path: Path, servers: int) -> None:
+    """Until ``servers`` servers run, each with its worker (their pids are in their logs)."""
+    deadline = time.monotonic() + 60
+
+    def logs() -> str:
+        started = re.findall(r"starting server .*\(log (\S+)\)", (tmp_path / "stderr").read_text())
+        return "".join(Path(log).read_text() for log in started)
+
+    while logs().count("worker pid") < servers:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.terminate()  # stops what it started; the test fails either way
+            proc.wait(timeout=90)
+            pytest.fail(f"{servers} servers never ran:\n{(tmp_path / 'stderr').read_text()}")
+        time.sleep(0.2)
+
+
+# The tiny pair's servers start at the same time; a flag sizing their memory puts them in series.
+ONE_AFTER_THE_OTHER = "--server-arg=--mem-fraction-static=0.5"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_while_a_server_starts_stops_it_and_keeps_the_logs(tmp_path, pair, signum) -> None:
-    proc = start_selftest(tmp_path, pair, FAKE_STARTUP_S="600")
-    deadline = time.monotonic() + 60
-
-    def server_log() -> str:  # the log once the first server runs, with its worker
-        started = re.search(r"starting server .*\(log (\S+)\)", (tmp_path / "stderr").read_text())
-        return Path(started.group(1)).read_text() if started else ""
-
-    while "worker pid" not in server_log():
-        assert proc.poll() is None and time.monotonic() < deadline, (
-            tmp_path / "stderr"
-        ).read_text()
-        time.sleep(0.2)
+    proc = start_selftest(tmp_path, pair, ONE_AFTER_THE_OTHER, FAKE_STARTUP_S="600")
+    wait_for_servers(proc, tmp_path, 1)
     proc.send_signal(signum)
     rc, _, err = finish(proc, tmp_path, timeout=90)
     assert rc == 128 + signum, err
     logs = Path(re.search(r"logs kept in (\S+)", err).group(1))
     assert f"stopped by {signum.name}" in err and logs.is_dir()
     assert_all_stopped(logs, err, servers=1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_while_both_servers_start_stops_both(tmp_path, pair, signum) -> None:
+    proc = start_selftest(tmp_path, pair, FAKE_STARTUP_S="600")
+    wait_for_servers(proc, tmp_path, 2)
+    proc.send_signal(signum)
+    rc, _, err = finish(proc, tmp_path, timeout=90)
+    assert rc == 128 + signum, err
+    logs = Path(re.search(r"logs kept in (\S+)", err).group(1))
+    assert f"stopped by {signum.name}" in err
+    assert_all_stopped(logs, err, servers=2)
+
+
+def heard(progress: str, pattern: str) -> int:
+    """The index of the first progress line matching ``pattern``."""
+    lines = progress.splitlines()
+    return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+
+def test_the_tiny_pairs_servers_start_at_the_same_time(tmp_path, pair) -> None:
+    logs = tmp_path / "logs"
+    proc = start_selftest(tmp_path, pair, "--json", "--keep-logs", str(logs), FAKE_STARTUP_S="3")
+    rc, out, err = finish(proc, tmp_path)
+    assert rc == 0, err
+    assert "at the same time" in err
+    # Each server needs 3 s to be ready: each started before the other was ready.
+    reference, spec = "target-tp2-off-plain-plugin-off", "target-tp2-auto-eagle3"
+    assert heard(err, f"starting server {reference} ") < heard(err, f"server {spec} ready"), err
+    assert heard(err, f"starting server {spec} ") < heard(err, f"server {reference} ready"), err
+    report = json.loads(out)
+    assert report["ok"] and report["server_start"].startswith("at the same time")
+    assert {name: s["startup_s"] >= 3 for name, s in report["servers"].items()} == {
+        "reference": True,
+        "eagle3": True,
+    }
+    assert_all_stopped(logs, err, servers=2)
+
+
+def test_a_server_arg_sizing_memory_starts_the_servers_one_after_the_other(tmp_path, pair) -> None:
+    proc = start_selftest(tmp_path, pair, "--json", ONE_AFTER_THE_OTHER)
+    rc, out, err = finish(proc, tmp_path)
+    assert rc == 0, err
+    reason = "one after the other: --server-arg --mem-fraction-static sizes their memory"
+    assert reason in err and json.loads(out)["server_start"].startswith("one after the other")
+    reference, spec = "target-tp2-off-plain-plugin-off", "target-tp2-auto-eagle3"
+    assert heard(err, f"server {reference} stopped") < heard(err, f"starting server {spec} "), err

@@ -498,10 +498,7 @@ def test_selftest_asks_doctor_for_the_plan_in_the_models_dtype(monkeypatch, tmp_
     asked = []
     monkeypatch.setattr(e2e, "plan_for", lambda *a, **k: asked.append((a, k)) or PLAN_OFF)
 
-    class NoServers:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
+    class NoServers(e2e.ServerRuns):
         def get(self, launch):
             raise e2e.ServerFailed("not started here", tmp_path / "no.log")
 
@@ -518,6 +515,55 @@ def test_selftest_asks_doctor_for_the_plan_in_the_models_dtype(monkeypatch, tmp_
     ((call_args, call_kwargs),) = asked
     bound = inspect.signature(PLAN_FOR).bind(*call_args, **call_kwargs)
     assert bound.arguments.get("dtype") == "float16"
+
+
+@pytest.mark.parametrize(
+    ("fixture", "server_args", "why"),
+    [
+        ({}, (), None),
+        ({}, ("--attention-backend", "triton"), None),
+        (None, (), "a real --target pair: SGLang sizes its memory, one server at a time"),
+        ({}, ("--mem-fraction-static", "0.5"), "--server-arg --mem-fraction-static sizes"),
+        ({}, ("--max-total-tokens=4096",), "--server-arg --max-total-tokens sizes"),
+    ],
+)
+def test_only_the_tiny_pair_with_memory_left_to_us_starts_both_servers_at_once(
+    fixture, server_args, why
+) -> None:
+    pair = selftest.Pair("t", "d", fixture)
+    seen = selftest.why_one_after_the_other(pair, server_args)
+    assert seen == why if why is None else seen.startswith(why)
+
+
+@pytest.mark.parametrize(
+    ("server_arg", "capped"), [(None, True), (["--mem-fraction-static=0.3"], False)]
+)
+def test_servers_started_at_once_each_cap_their_kv_pool(monkeypatch, tmp_path, server_arg, capped):
+    """SGLang sizes a KV pool from the memory free when that server started: two servers
+    starting together would each claim what the other is about to use."""
+    import argparse
+
+    target, draft = fp16_pair(tmp_path)
+    monkeypatch.setattr(e2e, "plan_for", lambda *a, **k: PLAN_OFF)
+    launched = []
+
+    class NoServers(e2e.ServerRuns):
+        def get(self, launch):
+            launched.append(launch)
+            raise e2e.ServerFailed("not started here", tmp_path / "no.log")
+
+    monkeypatch.setattr(e2e, "ServerRuns", NoServers)
+    args = argparse.Namespace(
+        target=str(target),
+        draft=str(draft),
+        backend="auto",
+        min_accept=None,
+        fixture=None,
+        server_arg=server_arg,
+    )
+    selftest.run_selftest(args, TP, tmp_path / "work", tmp_path / "logs")
+    cap = selftest.SHARED_GPU_KV_TOKENS if capped else None
+    assert len(launched) == 2 and {launch.max_total_tokens for launch in launched} == {cap}
 
 
 def test_doctor_plans_nccl_for_an_fp16_model_at_tp8_on_pcie(monkeypatch, tmp_path) -> None:

@@ -1,11 +1,12 @@
 """End-to-end harness: start real SGLang servers, send greedy requests, read the plugin's stats.
 
 Used by ``sglang-sm120 selftest`` and by the e2e test suite (test/e2e/, which skips with the
-reason where GPUs or packages are missing). One server runs at a time, on the first ``tp``
-visible GPUs, in its own process group; it is stopped, workers included, as soon as its results
-are collected, and also when it fails or the caller is interrupted. Results are memoised per
-launch, so the checks (greedy equality, graph replays, fused all-reduce, accept length) share
-one server each.
+reason where GPUs or packages are missing). Each server runs on the first ``tp`` visible GPUs,
+in its own process group; it is stopped, workers included, as soon as its results are collected,
+and also when it fails or the caller is interrupted. ``ServerRuns.get`` runs one server;
+``ServerRuns.start`` runs several in background threads, at the same time or one after the
+other, while the caller does other work. Results are memoised per launch, so the checks (greedy
+equality, graph replays, fused all-reduce, accept length) share one server each.
 
 Environment knobs of the e2e test suite (all optional):
 
@@ -24,6 +25,7 @@ Environment knobs of the e2e test suite (all optional):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -34,8 +36,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,6 +294,7 @@ class Launch:
     prompts: tuple[str, ...] = ()
     max_new_tokens: int = GREEDY_TOKENS
     plugin: bool = True
+    max_total_tokens: int | None = None  # a KV pool of this many tokens; None: SGLang sizes it
     extra_args: tuple[str, ...] = ()  # site-specific flags, after ours (the last one wins)
 
     @property
@@ -337,6 +341,8 @@ class Launch:
                 "--speculative-num-draft-tokens",
                 str(draft_tokens),
             ]
+        if self.max_total_tokens is not None:
+            args += ["--max-total-tokens", str(self.max_total_tokens)]
         return [*args, *BACKEND_SERVER_ARGS[self.backend], *self.extra_args]
 
 
@@ -416,8 +422,9 @@ def count(stats: dict[str, Any], key: str, mode: str = VERIFY_MODE) -> int:
 
 
 class ServerRuns:
-    """Launch servers on demand, one at a time, and memoise their results. ``progress``, when
-    given, hears a line per stage and one every ``progress_every_s`` while a server starts."""
+    """Launch servers on demand and memoise their results, from any thread. ``progress``, when
+    given, hears a line per stage, each naming its server, and one every ``progress_every_s``
+    while a server starts; it must be safe to call from several threads."""
 
     def __init__(
         self, work_dir: Path, log_dir: Path, progress: Callable[[str], None] | None = None
@@ -429,34 +436,77 @@ class ServerRuns:
         self.progress = progress or (lambda line: None)
         self.progress_every_s = 15.0
         self.started = 0
+        self.stopping = threading.Event()  # set by stop_all: no server starts or waits on
+        self._lock = threading.Lock()  # guards started, the sets below and _launch_locks
+        self._launch_locks: dict[Launch, threading.Lock] = {}
+        self._running: set[subprocess.Popen] = set()
+        self._ports: set[int] = set()
 
     def get(self, launch: Launch) -> RunResult:
-        if launch not in self.results:
-            self.results[launch] = self._run(launch)
-        return self.results[launch]
+        """The launch's result, running its server unless an earlier call did (a second
+        thread asking for the same launch waits for the first one's server)."""
+        with self._lock:
+            launch_lock = self._launch_locks.setdefault(launch, threading.Lock())
+        with launch_lock:
+            if launch not in self.results:
+                self.results[launch] = self._run(launch)
+            return self.results[launch]
+
+    def start(self, launches: Sequence[Launch], at_once: bool) -> ServerBatch:
+        """Run ``launches`` in the background, all at the same time or one after the other;
+        use it as ``with runs.start(...) as batch: ...; batch.results()``."""
+        return ServerBatch(self, launches, at_once)
+
+    def stop_all(self) -> None:
+        """Stop every running server now and start no new one (until ``stopping`` is cleared):
+        all are sent SIGTERM first, so their grace periods run side by side."""
+        self.stopping.set()
+        with self._lock:
+            running = list(self._running)
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in running:
+            _stop(proc)
+
+    def _reserve(self) -> tuple[int, int]:
+        """(this launch's index, a port no other running server of ours was given)."""
+        with self._lock:
+            index = self.started
+            self.started += 1
+            port = _free_port()
+            while port in self._ports:
+                port = _free_port()
+            self._ports.add(port)
+        return index, port
 
     def _run(self, launch: Launch) -> RunResult:
-        index = self.started
-        self.started += 1
+        index, port = self._reserve()
         stats_dir = self.work_dir / f"stats-{index}"
         stats_dir.mkdir(parents=True)
         log = self.log_dir / f"{index:02d}-{launch.name}.log"
         env = gpu_env(launch.tp, plugin=launch.plugin)
         env[BACKEND_ENV] = launch.backend
         env[STATS_ENV] = str(stats_dir)
-        port = _free_port()
         url = f"http://127.0.0.1:{port}"
         self.progress(f"starting server {launch.name} on port {port} (log {log})")
-        with open(log, "w") as log_file:
-            proc = subprocess.Popen(
-                launch.server_args(port),
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stopped as one below
-            )
         try:
-            startup_s = self._wait_ready(proc, url, log)
+            with open(log, "w") as log_file:
+                proc = subprocess.Popen(
+                    launch.server_args(port),
+                    env=env,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: stopped as one below
+                )
+        except BaseException:
+            with self._lock:
+                self._ports.discard(port)
+            raise
+        with self._lock:
+            self._running.add(proc)
+        try:
+            startup_s = self._wait_ready(proc, url, log, launch.name)
             self.progress(f"server {launch.name} ready after {startup_s:.0f} s; sending requests")
             result = self._collect(launch, url, stats_dir, log)
             result.startup_s = startup_s
@@ -472,15 +522,21 @@ class ServerRuns:
             ) from exc
         finally:
             _stop(proc)
+            with self._lock:
+                self._running.discard(proc)
+                self._ports.discard(port)
             self.progress(f"server {launch.name} stopped")
 
-    def _wait_ready(self, proc: subprocess.Popen, url: str, log: Path) -> float:
-        """Seconds until /health answered 200; ServerFailed when it exits or times out."""
+    def _wait_ready(self, proc: subprocess.Popen, url: str, log: Path, name: str) -> float:
+        """Seconds until /health answered 200; ServerFailed when it exits, times out or all
+        servers are being stopped."""
         import requests
 
         start = time.monotonic()
         next_note = start + self.progress_every_s
         while time.monotonic() < start + self.startup_s:
+            if self.stopping.is_set():
+                raise ServerFailed("stopped while starting: all servers are being stopped", log)
             if proc.poll() is not None:
                 raise ServerFailed(f"server exited with {proc.returncode}:\n{_tail(log)}", log)
             try:
@@ -489,7 +545,7 @@ class ServerRuns:
             except requests.RequestException:
                 pass
             if time.monotonic() >= next_note:
-                self.progress(f"  still starting, {time.monotonic() - start:.0f} s")
+                self.progress(f"server {name} still starting, {time.monotonic() - start:.0f} s")
                 next_note += self.progress_every_s
             time.sleep(1)
         raise ServerFailed(f"server not ready after {self.startup_s:.0f} s:\n{_tail(log)}", log)
@@ -524,6 +580,59 @@ class ServerRuns:
         )
         result.batched_ids = [list(item["output_ids"]) for item in generate(list(launch.prompts))]
         return result
+
+
+class ServerBatch:
+    """Launches running in background threads: one thread each (at the same time), or one
+    thread running them in order. Each server is a subprocess in its own process group, so a
+    thread only waits on it. Signals reach the main thread alone: leaving the ``with`` block by
+    any exception (a signal's included) stops every server of ``runs`` before it propagates."""
+
+    JOIN_S = 180.0  # a server stopped by stop_all leaves its thread within seconds
+
+    def __init__(self, runs: ServerRuns, launches: Sequence[Launch], at_once: bool) -> None:
+        self.runs = runs
+        self.launches = tuple(launches)
+        self.outcomes: dict[int, RunResult | BaseException] = {}
+        indices = list(range(len(self.launches)))
+        groups = [[i] for i in indices] if at_once else [indices]
+        self.threads = [
+            threading.Thread(target=self._run, args=(group,), daemon=True) for group in groups
+        ]
+
+    def _run(self, indices: list[int]) -> None:
+        for i in indices:
+            if self.runs.stopping.is_set():
+                return
+            try:
+                self.outcomes[i] = self.runs.get(self.launches[i])
+            except BaseException as exc:  # handed to the caller's thread by results()
+                self.outcomes[i] = exc
+
+    def __enter__(self) -> ServerBatch:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def results(self) -> list[RunResult | ServerFailed]:
+        """Each launch's result or its ServerFailed, in order, once all are done; any other
+        error of a launch is raised here."""
+        for thread in self.threads:
+            thread.join()  # interruptible: a signal's exception is raised here
+        outcomes = [self.outcomes[i] for i in range(len(self.launches))]
+        for outcome in outcomes:
+            if not isinstance(outcome, (RunResult, ServerFailed)):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            return
+        self.runs.stop_all()
+        deadline = time.monotonic() + self.JOIN_S
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.runs.stopping.clear()
 
 
 MTIME_SLACK_S = 0.1

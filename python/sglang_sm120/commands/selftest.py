@@ -2,11 +2,16 @@
 
 Nothing in this project can run a live SGLang server on SM120 hardware except its users' boxes,
 so this is the command they run (and the self-hosted GPU workflow runs). Two real servers
-(``python -m sglang.launch_server``) start one after the other on the first ``--tp`` GPUs:
+(``python -m sglang.launch_server``) run on the first ``--tp`` GPUs:
 
 1. the reference: upstream alone (the plugin's kill switch ``SGLANG_SM120_DISABLE=1``), plain
    greedy decoding, fusion off;
 2. EAGLE-3 with the plugin on and CUDA graphs on, the plan of ``sglang-sm120 doctor`` in force.
+
+They are independent, so for the tiny pair they start at the same time, each with a KV pool
+capped at ``SHARED_GPU_KV_TOKENS`` (``why_one_after_the_other`` says why only then); otherwise
+one after the other, and the progress output says why. Meanwhile the main thread asks doctor
+for the plan, once.
 
 The model pair is the tiny DeepSeek-V3 (MLA + MoE) target + EAGLE-3 draft that
 ``commands.tiny_models`` generates in seconds, built so that greedy outputs are exact and the
@@ -32,6 +37,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -46,6 +52,10 @@ from sglang_sm120.version import __version__
 
 FIXTURES = ("deepseek_v3", "llama")
 STATS_KEY_PEER_ERROR = "peer_error"
+# Each server's KV pool when both share the GPUs (--max-total-tokens): the tiny pair needs at
+# most 4 requests x 1024 tokens of context, plus the draft's.
+SHARED_GPU_KV_TOKENS = 16384
+MEMORY_FLAGS = ("--mem-fraction-static", "--max-total-tokens")
 # ``sglang_sm120.commands.tiny_models`` (torch) is imported where used, not here: every CLI command
 # builds this subcommand's parser, and importing torch would add seconds to each.
 
@@ -338,13 +348,16 @@ def plan_lines(plan: dict[str, Any] | None, tp: int, backend: str) -> list[str]:
 
 
 class Progress:
-    """A line per stage on stderr, with the seconds since the selftest started."""
+    """A line per stage on stderr, with the seconds since the selftest started; whole lines
+    also when two servers' threads report at once."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
+        self.lock = threading.Lock()
 
     def __call__(self, line: str) -> None:
-        print(f"[{time.monotonic() - self.start:5.0f} s] {line}", file=sys.stderr, flush=True)
+        with self.lock:
+            print(f"[{time.monotonic() - self.start:5.0f} s] {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -410,20 +423,53 @@ class Pair:
         return AcceptFloor(1.0, "no threshold recorded for this pair; --min-accept sets one", True)
 
 
-def _launch(runs: e2e.ServerRuns, launch: e2e.Launch) -> Outcome:
-    """Run one server; a failure is summarised (first line, last log line, the log kept)."""
+def why_one_after_the_other(pair: Pair, server_args: tuple[str, ...]) -> str | None:
+    """Why the reference and the EAGLE-3 server cannot start at the same time, or None.
+
+    SGLang 0.5.23 sizes a server's KV pool as the GPU memory free once its weights are loaded,
+    less ``(1 - --mem-fraction-static)`` of what was free when that server started: two servers
+    starting together both count the same free memory, so with equal shares the second to
+    allocate finds none, and with unequal ones it depends on which allocates first. The tiny
+    pair needs little, so each pool is capped
+    (``--max-total-tokens``) and the rest stays free. A real pair's memory is SGLang's to size,
+    and a user who sizes it (``MEMORY_FLAGS`` in ``--server-arg``) gets what they asked for.
+    """
+    if pair.fixture is None:
+        return "a real --target pair: SGLang sizes its memory, one server at a time"
+    sized = [arg.split("=")[0] for arg in server_args if arg.split("=")[0] in MEMORY_FLAGS]
+    if sized:
+        return f"--server-arg {sized[0]} sizes their memory, for one server at a time"
+    return None
+
+
+def _outcome(result: e2e.RunResult | e2e.ServerFailed) -> Outcome:
+    """A server's outcome; a failure is summarised (first line, last log line, the log kept)."""
+    if isinstance(result, e2e.RunResult):
+        return Outcome(result)
+    what = str(result).splitlines()[0].rstrip(":")
     try:
-        return Outcome(runs.get(launch))
-    except e2e.ServerFailed as exc:
-        what = str(exc).splitlines()[0].rstrip(":")
-        try:
-            lines = [line.strip() for line in exc.log.read_text(errors="replace").splitlines()]
-        except OSError:
-            lines = []
-        last = next((line for line in reversed(lines) if line), "")
-        ends = f"; log ends: {last[:160]}" if last else ""
-        stats = e2e.read_stats(exc.stats_dir) if exc.stats_dir else {}
-        return Outcome(None, f"{what}{ends} (log: {exc.log})", stats)
+        lines = [line.strip() for line in result.log.read_text(errors="replace").splitlines()]
+    except OSError:
+        lines = []
+    last = next((line for line in reversed(lines) if line), "")
+    ends = f"; log ends: {last[:160]}" if last else ""
+    stats = e2e.read_stats(result.stats_dir) if result.stats_dir else {}
+    return Outcome(None, f"{what}{ends} (log: {result.log})", stats)
+
+
+def ask_plan(tp: int, target: str, backend: str, progress: Progress) -> dict[str, Any] | None:
+    """doctor's plan for the servers, or None (said in the progress output) when it fails."""
+    progress(f"asking sglang-sm120 doctor for the plan at tp={tp}")
+    try:
+        return e2e.plan_for(
+            tp, e2e.model_arch(target), backend, e2e.hidden_size(target), e2e.model_dtype(target)
+        )
+    except (RuntimeError, ValueError, KeyError) as exc:  # ValueError: its output was not JSON
+        lines = str(exc).strip().splitlines() or [repr(exc)]
+        progress(
+            f"no plan: {lines[0]} ... {lines[-1]}" if len(lines) > 1 else f"no plan: {lines[0]}"
+        )
+        return None
 
 
 def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -> dict[str, Any]:
@@ -440,23 +486,34 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
         built = build_all(work / "models")[args.fixture]
         pair = Pair.at(str(built.target), str(built.draft))
     arch, layers = e2e.model_arch(pair.target), e2e.num_layers(pair.target)
-    progress(f"asking sglang-sm120 doctor for the plan at tp={tp}")
-    try:
-        plan: dict[str, Any] | None = e2e.plan_for(
-            tp, arch, args.backend, e2e.hidden_size(pair.target), e2e.model_dtype(pair.target)
-        )
-    except (RuntimeError, ValueError, KeyError) as exc:  # ValueError: its output was not JSON
-        lines = str(exc).strip().splitlines() or [repr(exc)]
-        progress(
-            f"no plan: {lines[0]} ... {lines[-1]}" if len(lines) > 1 else f"no plan: {lines[0]}"
-        )
-        plan = None
     prompts, max_new_tokens = pair.prompts()
-    runs = e2e.ServerRuns(work / "runs", log_dir, progress)
     extra = e2e.split_server_args(args.server_arg)
-    common = {"tp": tp, "prompts": prompts, "max_new_tokens": max_new_tokens, "extra_args": extra}
-    reference = _launch(runs, e2e.Launch(pair.target, backend="off", plugin=False, **common))
-    spec = _launch(runs, e2e.Launch(pair.target, backend=args.backend, draft=pair.draft, **common))
+    why_not = why_one_after_the_other(pair, extra)
+    if why_not is None:
+        server_start = (
+            "at the same time: the tiny pair, each server's KV pool capped at "
+            f"{SHARED_GPU_KV_TOKENS} tokens (--max-total-tokens)"
+        )
+    else:
+        server_start = f"one after the other: {why_not}"
+    progress(f"starting the reference and the EAGLE-3 server {server_start}")
+    common = {
+        "tp": tp,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "max_total_tokens": SHARED_GPU_KV_TOKENS if why_not is None else None,
+        "extra_args": extra,
+    }
+    launches = (
+        e2e.Launch(pair.target, backend="off", plugin=False, **common),
+        e2e.Launch(pair.target, backend=args.backend, draft=pair.draft, **common),
+    )
+    runs = e2e.ServerRuns(work / "runs", log_dir, progress)
+    # The plan is asked for in this (the main) thread while the servers start: a signal
+    # stops doctor's subprocess as it stops the servers.
+    with runs.start(launches, at_once=why_not is None) as servers:
+        plan = ask_plan(tp, pair.target, args.backend, progress)
+        reference, spec = (_outcome(result) for result in servers.results())
     checks = evaluate(
         tp=tp,
         reference=reference,
@@ -473,6 +530,7 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
         "backend": args.backend,
         "validation_mode": validation_mode(),
         "server_args": list(extra),
+        "server_start": server_start,
         "target": pair.target if args.target else f"tiny {args.fixture} ({arch})",
         "draft": pair.draft if args.target else "tiny EAGLE-3 draft",
         "plan": plan,
