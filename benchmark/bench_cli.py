@@ -34,8 +34,11 @@ CASES = {
 }
 
 
-def cli() -> list[str]:
-    return [sys.executable, "-m", "sglang_sm120.commands.cli"]
+CLI_MODULE = "sglang_sm120.commands.cli"  # sglang_sm120.cli: a tree before the layout (0179fab)
+
+
+def cli(module: str = CLI_MODULE) -> list[str]:
+    return [sys.executable, "-m", module]
 
 
 def timed(argv: list[str], expect: int) -> tuple[float, float, str]:
@@ -63,6 +66,7 @@ def main() -> int:
     parser.add_argument("--doctor-runs", type=int, default=2, help="runs of each doctor")
     parser.add_argument("--selftest", action="store_true", help="also one selftest --tp 1")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR / "bench_cli.json")
+    parser.add_argument("--cli-module", default=CLI_MODULE, help="the CLI module to run")
     args, selftest_args = parser.parse_known_args()
     rows, results = [], {}
     for name, (argv, expect) in CASES.items():
@@ -71,7 +75,7 @@ def main() -> int:
             continue
         walls, cpus = [], []
         for _ in range(runs):
-            wall, cpu, _ = timed([*cli(), *argv], expect)
+            wall, cpu, _ = timed([*cli(args.cli_module), *argv], expect)
             walls.append(wall)
             cpus.append(cpu)
         results[name] = {"argv": argv, "wall_s": summary(walls), "cpu_s": summary(cpus)}
@@ -79,14 +83,15 @@ def main() -> int:
         print(f"{name}: median {statistics.median(walls):.2f} s", file=sys.stderr, flush=True)
     if args.selftest:
         argv = ["selftest", "--tp", "1", "--json", *[a for a in selftest_args if a != "--"]]
-        wall, cpu, out = timed([*cli(), *argv], 0)
+        wall, cpu, out = timed([*cli(args.cli_module), *argv], 0)
         results["selftest --tp 1"] = {"argv": argv, "wall_s": wall, "cpu_s": cpu, "report": out}
         rows.append(["selftest --tp 1", 1, wall, wall, wall, cpu, cpu, cpu])
     headers = ["command", "runs", "wall min", "wall median", "wall max"]
     headers += ["cpu min", "cpu median", "cpu max"]
     print(format_table(headers, rows))
     topology = os.environ.get("SGLANG_SM120_TOPOLOGY")
-    write_json(args.out, {"cpus": os.cpu_count(), "topology": topology, "commands": results})
+    payload = {"cpus": os.cpu_count(), "cli": args.cli_module, "topology": topology}
+    write_json(args.out, {**payload, "commands": results})
     print(f"written: {args.out}", file=sys.stderr)
     return 0
 
