@@ -366,3 +366,35 @@ def test_doctor_lists_every_variable_set_accepted_or_refused(tmp_path):
     assert rows["SGLANG_SM120_TOPOLOGY"]["status"] == "accepted"
     assert "SGLANG_SM120_E2E_STARTUP_S" not in rows
     assert list(tmp_path.iterdir()) == []  # no directory named by the refused value
+
+
+def test_plan_lists_every_upstream_all_reduce_switch_for_the_profile():
+    plan = plan_json("--profile", "rtx-pro-6000-x8-pcie", "--tp", "8", "--model-arch", KIMI)
+    options = {row["switch"]: row for row in plan["allreduce_options"]}
+    assert len(options) == 9
+    assert set(options["--enable-torch-symm-mem"]) == {"switch", "can_run", "used", "why", "if_set"}
+    assert options["--enable-torch-symm-mem"]["can_run"] is False
+    assert options["--enable-mscclpp"]["can_run"] is None  # another machine's packages
+    text = run_cli("plan", "--profile", "rtx-pro-6000-x8-pcie", "--tp", "8").stdout
+    assert "all-reduce options (SGLang's switches, judged for this launch):" in text
+    assert (
+        "  --enable-torch-symm-mem: cannot run, not used: not available: SGLang's size table "
+        "has no SM12x entry and PCIe has no multicast; if set: no change: all-reduces stay on "
+        "PCIe-IPC for decode/verify sizes, NCCL above"
+    ) in text
+
+
+def test_doctor_lists_the_all_reduce_options_and_warns_about_nccl_settings():
+    env = {"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie", "NCCL_P2P_DISABLE": "1"}
+    proc = run_cli("doctor", "--json", "--tp", "8", "--model-arch", KIMI, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    options = {row["switch"]: row for row in report["allreduce_options"]}
+    assert len(options) == 9
+    assert options["--enable-mscclpp"]["can_run"] is False  # mscclpp is not installed here
+    assert "not on PyPI" in options["--enable-mscclpp"]["why"]
+    (warning,) = report["nccl_warnings"]
+    assert warning["variable"] == "NCCL_P2P_DISABLE" and warning["fix"] == "unset NCCL_P2P_DISABLE"
+    text = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env).stdout
+    assert "all-reduce options (SGLang's switches, judged for this launch):" in text
+    assert "NCCL settings that break or slow this launch:\n  NCCL_P2P_DISABLE='1': " in text

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from sglang_sm120.commands.allreduce_options import deployment_for, mscclpp_imports
 from sglang_sm120.commands.args import (
     add_deployment_args,
     check_tp,
@@ -25,6 +26,8 @@ from sglang_sm120.commands.args import (
 from sglang_sm120.commands.plan import facts_lines, plan_for_args, plan_lines
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import HostFindings, format_checks
+from sglang_sm120.planning.levers import allreduce_levers, lever_lines
+from sglang_sm120.planning.nccl_settings import nccl_warnings, warning_lines
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.version import SGLANG_PIN, __version__
 
@@ -213,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     from sglang_sm120.server.env_report import variables_report
     from sglang_sm120.server.runtime import (
         findings_describe,
+        fusion_archs,
         host_findings,
         plugin_disabled,
         validation_mode,
@@ -234,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
     )
     host = findings if findings_describe(facts) else None
     plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host)
+    deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
+    levers = allreduce_levers(facts, deployment, plan, fusion_archs(), mscclpp_imports())
+    nccl = nccl_warnings(os.environ, facts, deployment, plan)
     state = _plugin_state(worker_statuses)
     progress("reading the kernel images ...")
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
@@ -245,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
         "facts": facts.to_json(),
         "gpu_present": bool(facts.gpus),
         "plan": {**plan.to_json(), "tp": tp_size},
+        "allreduce_options": [lever.to_json() for lever in levers],
+        "nccl_warnings": [warning.to_json() for warning in nccl],
         **state,
         "kill_switch": plugin_disabled(),
         "validation_mode": validation_mode(),
@@ -289,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
             "not use them: set SGLANG_SM120_SYSFS_ROOT to that machine's sysfs dump)"
         )
     lines += plan_lines(plan, tp_size)
+    lines += lever_lines(levers)
+    lines += warning_lines(nccl)
     lines += _coverage_lines(coverage)
     lines += _variable_lines(variables)
     print("\n".join(lines))

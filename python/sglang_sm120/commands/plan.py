@@ -9,6 +9,7 @@ import dataclasses
 import json
 from collections.abc import Collection
 
+from sglang_sm120.commands.allreduce_options import deployment_for
 from sglang_sm120.commands.args import (
     add_deployment_args,
     check_tp,
@@ -17,6 +18,7 @@ from sglang_sm120.commands.args import (
 )
 from sglang_sm120.machine.facts import HostFacts, load_profile, load_topology, profile_names
 from sglang_sm120.machine.host_checks import HostFindings
+from sglang_sm120.planning.levers import allreduce_levers, lever_lines
 from sglang_sm120.planning.policy import AllReducePlan
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 
@@ -79,10 +81,23 @@ def run(args: argparse.Namespace) -> int:
     check_tp(facts, args.tp, args.nnodes)
     check_upstream_flags(args)
     plan = plan_for_args(facts, args, args.tp, archs=FUSION_ARCHS)  # no SGLang import: seconds
+    # another machine: whether mscclpp imports there is unknown (None)
+    levers = allreduce_levers(facts, deployment_for(args, args.tp), plan, FUSION_ARCHS, None)
     if args.json:
-        print(json.dumps({**plan.to_json(), "tp": args.tp, "facts_source": facts.source}, indent=1))
+        options = [lever.to_json() for lever in levers]
+        print(
+            json.dumps(
+                {
+                    **plan.to_json(),
+                    "tp": args.tp,
+                    "facts_source": facts.source,
+                    "allreduce_options": options,
+                },
+                indent=1,
+            )
+        )
     else:
-        print("\n".join(facts_lines(facts) + plan_lines(plan, args.tp)))
+        print("\n".join(facts_lines(facts) + plan_lines(plan, args.tp) + lever_lines(levers)))
     return 0
 
 

@@ -1,0 +1,252 @@
+"""NCCL_* settings a user made that break or slow the all-reduces of this launch, each with
+its fix: doctor's ``nccl_warnings``.
+
+The rules are a table (``NCCL_RULES``): the variable, the check, the fix and where the effect
+is documented or measured. A check reads only the value, the TP group's links and the plan,
+so ``test/unit/test_nccl_settings.py`` checks each rule as rows on the embedded profiles.
+
+Sources (the NCCL User Guide, "Environment Variables", NCCL 2.30, the version torch 2.14
+ships as nvidia-nccl-cu13 2.30.7):
+
+- NCCL_P2P_DISABLE "disables the peer to peer (P2P) transport, which uses CUDA direct access
+  between GPUs, using NVLink or PCI"; NCCL_SHM_DISABLE: "SHM is used between devices when
+  peer-to-peer cannot happen, therefore, host memory is used".
+- NCCL_P2P_LEVEL "defines the maximum distance between GPUs where NCCL will use the P2P
+  transport": LOC never, NVL only over NVLink, PIX same PCI switch, PXB through PCI switches,
+  PHB same NUMA node, SYS "between NUMA nodes"; legacy integers LOC 0, PIX 1, PXB 2, PHB 3,
+  SYS 4 ("integer values are discouraged").
+- NCCL_PROTO: users are discouraged from setting it except to disable a protocol suspected of a
+  bug; LL is NCCL's low-latency protocol, used "under" a size limit (NCCL_LL_THRESHOLD).
+- NCCL_ALGO=Tree: seen failing during CUDA-graph capture in the investigation that started
+  this project (8x RTX PRO 6000, ../shared/seeds); NCCL documents captured collectives as
+  supported ("Using NCCL with CUDA Graphs") and implements Tree for all-reduce only
+  (NVIDIA/nccl#317, a maintainer), so the failure is measured, not documented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sglang_sm120.env_values import shown
+from sglang_sm120.machine.facts import HostFacts
+from sglang_sm120.planning.policy import AllReducePlan, Deployment
+from sglang_sm120.planning.upstream import (
+    CUSTOM_ALL_REDUCE_PCIE_MAX_WORLD,
+    CUSTOM_ALL_REDUCE_WORLD_SIZES,
+)
+
+NCCL_ENV_DOC = "NCCL User Guide, Environment Variables"
+P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")  # nearest to farthest
+P2P_LEVEL_INTEGERS = {"0": "LOC", "1": "PIX", "2": "PXB", "3": "PHB", "4": "SYS"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a rule looks at: the TP group's links and where its all-reduces go."""
+
+    tp_size: int
+    p2p_all_pairs: bool  # every pair of the TP group has P2P
+    numa_nodes: tuple[int, ...]  # the TP group's NUMA nodes
+    nvlink: bool
+    nccl_carries_verify: bool  # decode/verify-sized all-reduces reach NCCL
+    cuda_graphs: bool = True  # SGLang's default; --disable-cuda-graph turns it off
+
+    @classmethod
+    def of(cls, facts: HostFacts, d: Deployment, plan: AllReducePlan) -> Launch:
+        ids = [i for i in d.first_tp_group() if i < len(facts.gpus)]
+        p2p = len(ids) == d.tp_size and not facts.missing_p2p_pairs(ids)
+        return cls(
+            tp_size=d.tp_size,
+            p2p_all_pairs=p2p,
+            numa_nodes=tuple(facts.numa_nodes(ids)),
+            nvlink=facts.has_nvlink,
+            nccl_carries_verify=_nccl_carries_verify(facts, d, plan, p2p),
+        )
+
+    def nccl_use(self) -> str:
+        """Which all-reduces of this launch NCCL serves, for a warning's impact."""
+        if self.nccl_carries_verify:
+            return "every decode/verify all-reduce reaches NCCL in this plan"
+        return "the plan serves decode/verify elsewhere; prefill-sized all-reduces reach NCCL"
+
+
+def _nccl_carries_verify(facts: HostFacts, d: Deployment, plan: AllReducePlan, p2p: bool) -> bool:
+    """Whether decode/verify all-reduces reach NCCL: the plan says NCCL, or upstream decides
+    and its custom all-reduce cannot run (custom_all_reduce_utils: a world of 2 or NVLink)."""
+    if d.tp_size <= 1:
+        return False
+    if plan.managed and plan.plain_allreduce != "upstream":
+        return plan.plain_allreduce == "nccl"
+    custom = (
+        d.custom_all_reduce
+        and d.tp_size in CUSTOM_ALL_REDUCE_WORLD_SIZES
+        and p2p
+        and (facts.has_nvlink or d.tp_size <= CUSTOM_ALL_REDUCE_PCIE_MAX_WORLD)
+    )
+    return not custom
+
+
+def _tokens(value: str) -> list[str]:
+    return [t.strip().upper() for t in value.split(",") if t.strip()]
+
+
+def _allowed(value: str, name: str, collective: str = "ALLREDUCE") -> bool | None:
+    """Whether a NCCL_ALGO/NCCL_PROTO value lets NCCL use ``name`` for ``collective``: a list,
+    or "^list" to exclude, optionally per collective ("allreduce:...;..."). None: the value
+    does not say (another collective's list only)."""
+    parts = [p.strip() for p in value.split(";") if p.strip()]
+    chosen = None
+    for part in parts:
+        key, sep, rest = part.partition(":")
+        if not sep:
+            chosen = chosen if chosen is not None else part
+        elif key.strip().upper() == collective:
+            chosen = rest
+            break
+    if chosen is None:
+        return None
+    chosen = chosen.strip()
+    if chosen.startswith("^"):
+        return name not in _tokens(chosen[1:])
+    return name in _tokens(chosen)
+
+
+def p2p_disable_problem(value: str, launch: Launch) -> str | None:
+    if value.strip() != "1" or launch.tp_size <= 1 or not launch.p2p_all_pairs:
+        return None
+    return (
+        "NCCL's P2P transport (direct GPU access over PCIe or NVLink) is off although every "
+        "pair of the TP group has P2P here: NCCL stages its transfers through host memory "
+        f"(SHM); {launch.nccl_use()}"
+    )
+
+
+def p2p_level_problem(value: str, launch: Launch) -> str | None:
+    raw = value.strip().upper()
+    level = P2P_LEVEL_INTEGERS.get(raw, raw)
+    if level not in P2P_LEVELS or launch.tp_size <= 1 or not launch.p2p_all_pairs:
+        return None  # another integer or an unknown word: NCCL's reading is not documented here
+    if level == "LOC":
+        lost = "no pair uses P2P (LOC: never)"
+    elif level == "NVL" and not launch.nvlink:
+        lost = "no pair uses P2P (NVL: NVLink only, and this host has none)"
+    elif launch.nvlink:
+        return None  # NVL and above keep the NVLink pairs on P2P
+    elif P2P_LEVELS.index(level) < P2P_LEVELS.index("SYS") and len(launch.numa_nodes) > 1:
+        nodes = ", ".join(str(n) for n in launch.numa_nodes)
+        lost = (
+            f"pairs across NUMA nodes {nodes} do not use P2P (only SYS allows P2P between "
+            "NUMA nodes)"
+        )
+    else:
+        return None  # same-switch / same-NUMA limits: the facts do not record PCIe switches
+    return f"{lost}: those transfers go through host memory; {launch.nccl_use()}"
+
+
+def proto_problem(value: str, launch: Launch) -> str | None:
+    if launch.tp_size <= 1 or not launch.nccl_carries_verify:
+        return None
+    if _allowed(value, "LL") is not False:
+        return None
+    return (
+        "NCCL may not use LL, its low-latency protocol for small messages, for all-reduce: "
+        "the decode/verify all-reduces (tens of KiB) reach NCCL in this plan and take LL128 "
+        "or Simple instead"
+    )
+
+
+def algo_problem(value: str, launch: Launch) -> str | None:
+    if launch.tp_size <= 1 or not launch.cuda_graphs:
+        return None
+    if not _allowed(value, "TREE") or _allowed(value, "RING"):
+        return None
+    return (
+        "NCCL_ALGO leaves all-reduce only Tree; with SGLang's CUDA graphs (on by default) "
+        "capture failed this way on 8x RTX PRO 6000 (the investigation behind this project); "
+        f"{launch.nccl_use()}"
+    )
+
+
+@dataclass(frozen=True)
+class NcclRule:
+    """One NCCL variable, the check that finds a problem in its value, the fix, the source."""
+
+    variable: str
+    problem: Callable[[str, Launch], str | None]
+    fix: str
+    source: str
+
+
+NCCL_RULES = (
+    NcclRule(
+        "NCCL_P2P_DISABLE",
+        p2p_disable_problem,
+        "unset NCCL_P2P_DISABLE",
+        f"{NCCL_ENV_DOC}: NCCL_P2P_DISABLE, NCCL_SHM_DISABLE",
+    ),
+    NcclRule(
+        "NCCL_P2P_LEVEL",
+        p2p_level_problem,
+        "unset NCCL_P2P_LEVEL (NCCL then picks from the topology) or set NCCL_P2P_LEVEL=SYS",
+        f"{NCCL_ENV_DOC}: NCCL_P2P_LEVEL",
+    ),
+    NcclRule(
+        "NCCL_PROTO",
+        proto_problem,
+        "unset NCCL_PROTO, or keep LL in it (NCCL discourages setting it except to disable a "
+        "protocol suspected of a bug)",
+        f"{NCCL_ENV_DOC}: NCCL_PROTO, NCCL_LL_THRESHOLD",
+    ),
+    NcclRule(
+        "NCCL_ALGO",
+        algo_problem,
+        "unset NCCL_ALGO (NCCL picks per size), or keep Ring in it",
+        "measured: ../shared/seeds (capture failed with NCCL_ALGO=Tree); not documented by "
+        "NCCL, whose CUDA-graph guide supports captured collectives (Tree is all-reduce only: "
+        "NVIDIA/nccl#317)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class NcclWarning:
+    """A user's NCCL setting that breaks or slows this launch, with its fix and source."""
+
+    variable: str
+    value: str
+    problem: str
+    fix: str
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        return f"{self.variable}={self.value}: {self.problem} (fix: {self.fix}; {self.source})"
+
+
+def nccl_warnings(
+    env: Mapping[str, str], facts: HostFacts, d: Deployment, plan: AllReducePlan
+) -> tuple[NcclWarning, ...]:
+    """The rules that find a problem in the NCCL_* variables of ``env`` for this launch."""
+    launch = Launch.of(facts, d, plan)
+    found = []
+    for rule in NCCL_RULES:
+        value = env.get(rule.variable)
+        if value is None:
+            continue
+        problem = rule.problem(value, launch)
+        if problem is not None:
+            found.append(NcclWarning(rule.variable, shown(value), problem, rule.fix, rule.source))
+    return tuple(found)
+
+
+def warning_lines(warnings: tuple[NcclWarning, ...]) -> list[str]:
+    """doctor's NCCL section: one line per warning, or that none applies."""
+    if not warnings:
+        return [
+            "NCCL settings: none of NCCL_P2P_DISABLE/P2P_LEVEL/PROTO/ALGO set against this launch"
+        ]
+    return ["NCCL settings that break or slow this launch:"] + [f"  {w.line()}" for w in warnings]
