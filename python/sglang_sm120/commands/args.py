@@ -159,6 +159,13 @@ def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> N
         help=f"as SGLang's --nnodes (default 1, at most {MAX_NODES})",
     )
     parser.add_argument(
+        "--pp-size",
+        type=positive_int,
+        default=1,
+        help="as SGLang's --pp-size (default 1); with --nnodes, PP stages across nodes keep a "
+        "TP group on one node",
+    )
+    parser.add_argument(
         "--attention-dp", action="store_true", help="as SGLang's --enable-dp-attention"
     )
     parser.add_argument(
@@ -200,10 +207,17 @@ def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> N
 def deployment_from_args(args: argparse.Namespace, tp_size: int) -> Deployment:
     from sglang_sm120.server.runtime import pcie_ipc_env, plugin_backend, validation_mode
 
+    if (tp_size * args.pp_size) % args.nnodes:
+        # SGLang asserts it: arg_groups/validation_hook.py check_server_args.
+        raise UsageError(
+            f"--tp {tp_size} x --pp-size {args.pp_size} = {tp_size * args.pp_size} ranks do not "
+            f"divide over --nnodes {args.nnodes} (SGLang refuses it)"
+        )
     chosen = args.plugin_backend or plugin_backend()
     return Deployment(
         tp_size=tp_size,
         nnodes=args.nnodes,
+        pp_size=args.pp_size,
         attention_dp=args.attention_dp,
         moe_a2a_backend=args.moe_a2a_backend,
         model_arch=args.model_arch,
