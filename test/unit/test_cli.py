@@ -403,10 +403,14 @@ def test_doctor_plans_by_the_tp_groups_span(args, plain, why):
     assert any(why in r for r in plan["reasons"]), plan["reasons"]
 
 
-def test_a_pp_size_sglang_refuses_is_one_line():
+@pytest.mark.parametrize("command", ["plan", "doctor"])
+def test_a_pp_size_sglang_refuses_is_one_line(command):
     """SGLang asserts (tp_size * pp_size) % nnodes == 0 (validation_hook.check_server_args)."""
-    proc = run_cli("plan", "--profile", "rtx-pro-6000-x8-pcie", "--tp", "3", "--nnodes", "2")
+    args = ("--tp", "3", "--pp-size", "1", "--nnodes", "2")
+    where = ("--profile", "rtx-pro-6000-x8-pcie") if command == "plan" else ()
+    proc = run_cli(command, *where, *args, env={"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie"})
     assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, no progress before it
     assert proc.stderr.strip().endswith(
         "--tp 3 x --pp-size 1 = 3 ranks do not divide over --nnodes 2 (SGLang refuses it)"
     ), proc.stderr

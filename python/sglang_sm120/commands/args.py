@@ -97,8 +97,21 @@ UPSTREAM_FLAGS = {
 }
 
 
+def check_ranks_divide(tp_size: int, pp_size: int, nnodes: int) -> None:
+    """SGLang asserts that tp x pp ranks divide over the nodes (arg_groups/validation_hook.py
+    ``check_server_args``)."""
+    if (tp_size * pp_size) % nnodes:
+        raise UsageError(
+            f"--tp {tp_size} x --pp-size {pp_size} = {tp_size * pp_size} ranks do not "
+            f"divide over --nnodes {nnodes} (SGLang refuses it)"
+        )
+
+
 def check_upstream_flags(args: argparse.Namespace) -> None:
-    """A value SGLang would refuse is not planned as if it meant something."""
+    """A value SGLang would refuse is not planned as if it meant something (doctor without
+    --tp plans every GPU here: its ranks are checked when the deployment is built)."""
+    if args.tp is not None:
+        check_ranks_divide(args.tp, args.pp_size, args.nnodes)
     for name, flag in UPSTREAM_FLAGS.items():
         value = getattr(args, name)
         choices = FLAG_CHOICES[flag]
@@ -207,12 +220,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> N
 def deployment_from_args(args: argparse.Namespace, tp_size: int) -> Deployment:
     from sglang_sm120.server.runtime import pcie_ipc_env, plugin_backend, validation_mode
 
-    if (tp_size * args.pp_size) % args.nnodes:
-        # SGLang asserts it: arg_groups/validation_hook.py check_server_args.
-        raise UsageError(
-            f"--tp {tp_size} x --pp-size {args.pp_size} = {tp_size * args.pp_size} ranks do not "
-            f"divide over --nnodes {args.nnodes} (SGLang refuses it)"
-        )
+    check_ranks_divide(tp_size, args.pp_size, args.nnodes)
     chosen = args.plugin_backend or plugin_backend()
     return Deployment(
         tp_size=tp_size,
