@@ -119,9 +119,18 @@ def worker(model_dir: str, tp: int) -> dict:
             flag = published["flashinfer_allreduce_fusion_backend"] is not None
             parallel_state.set_flashinfer_allreduce_only(flag)
             result["flashinfer_allreduce_only"] = parallel_state._ENABLE_FLASHINFER_ALLREDUCE_ONLY
+            # Upstream's own caller: the published backend, and nnodes > 1 as is_multi_node.
+            try:
+                resolved = flashinfer_comm_fusion.resolve_flashinfer_allreduce_fusion_backend()
+            except ValueError as exc:
+                resolved = f"ValueError: {exc}"
+            result["resolve_published"] = resolved
+        multi_node = extra.get("nnodes", 1) > 1  # as upstream's caller passes it
         for backend in ("auto", "trtllm", "mnnvl", "sm120_pcie"):
             try:
-                result["resolve"][backend] = flashinfer_comm_fusion._resolve_backend(backend, False)
+                result["resolve"][backend] = flashinfer_comm_fusion._resolve_backend(
+                    backend, multi_node
+                )
             except ValueError as exc:
                 result["resolve"][backend] = f"ValueError: {exc}"
         result["add_norm_sm90_constant"] = add_norm._is_sm90_supported

@@ -398,3 +398,51 @@ def test_doctor_lists_the_all_reduce_options_and_warns_about_nccl_settings():
     text = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env).stdout
     assert "all-reduce options (SGLang's switches, judged for this launch):" in text
     assert "NCCL settings that break or slow this launch:\n  NCCL_P2P_DISABLE='1': " in text
+
+
+# --- PP across nodes: `--nnodes 2 --pp-size 2 --tp 8` keeps the TP group on one node -------------
+
+PP2_OVER_2_NODES = ("--tp", "8", "--nnodes", "2", "--pp-size", "2", "--model-arch", KIMI)
+
+
+def test_plan_pp_across_nodes_keeps_pcie_ipc():
+    plan = plan_json("--profile", "rtx-pro-6000-x8-pcie", *PP2_OVER_2_NODES)
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == (None, "pcie_ipc")
+    assert any("TP group inside one node" in r for r in plan["reasons"]), plan["reasons"]
+
+
+def test_plan_tp_spanning_nodes_says_nccl_and_why():
+    plan = plan_json("--profile", "rtx-pro-6000-x8-pcie", "--tp", "16", "--nnodes", "2")
+    assert plan["plain_allreduce"] == "nccl"
+    assert any(
+        r.startswith("plain all-reduce NCCL: the TP group spans 2 nodes") for r in plan["reasons"]
+    ), plan["reasons"]
+
+
+@pytest.mark.parametrize(
+    ("args", "plain", "why"),
+    [
+        (PP2_OVER_2_NODES, "pcie_ipc", "TP group inside one node"),
+        (("--tp", "16", "--nnodes", "2"), "nccl", "TP group spans 2 nodes"),
+    ],
+    ids=["TP inside a node", "TP spanning nodes"],
+)
+def test_doctor_plans_by_the_tp_groups_span(args, plain, why):
+    proc = run_cli("doctor", "--json", *args, env={"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie"})
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)["plan"]
+    assert plan["plain_allreduce"] == plain
+    assert any(why in r for r in plan["reasons"]), plan["reasons"]
+
+
+@pytest.mark.parametrize("command", ["plan", "doctor"])
+def test_a_pp_size_sglang_refuses_is_one_line(command):
+    """SGLang asserts (tp_size * pp_size) % nnodes == 0 (validation_hook.check_server_args)."""
+    args = ("--tp", "3", "--pp-size", "1", "--nnodes", "2")
+    where = ("--profile", "rtx-pro-6000-x8-pcie") if command == "plan" else ()
+    proc = run_cli(command, *where, *args, env={"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, no progress before it
+    assert proc.stderr.strip().endswith(
+        "--tp 3 x --pp-size 1 = 3 ranks do not divide over --nnodes 2 (SGLang refuses it)"
+    ), proc.stderr

@@ -107,6 +107,7 @@ def rehearse(
             "pcie_ipc_eligible",
             "flashinfer_allreduce_only",
             "worker_plan",
+            "resolve_published",
         ):
             result.setdefault(key, {})[str(tp)] = answers[key]
         for key in ("patches", "resolve", "chains", "add_norm_sm90_constant"):
@@ -477,6 +478,77 @@ def test_sm120_pcie_refused_without_p2p(model_dirs):
     )
     assert result["fusion_backend"] == {"2": None}
     assert result["patches"]["sm120_pcie_backend"].startswith("not needed (no P2P")
+
+
+# --- PP across nodes: planned by the TP group's span ---------------------------------------------
+
+# This node's launcher of `--nnodes 2 --pp-size 2 --tp 8`: one PP stage a node, TP inside it.
+PP2_OVER_2_NODES = {"nnodes": 2, "pp_size": 2, "dist_init_addr": "127.0.0.1:5000"}
+
+
+def test_pp_across_nodes_keeps_pcie_ipc_in_the_worker(model_dirs):
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"], 8, server_args=PP2_OVER_2_NODES
+    )
+    launched = json.loads(result["launch_plan"]["8"])
+    assert launched["gpu_ids"] == list(range(8))
+    plan = launched["plan"]
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == (None, "pcie_ipc"), plan
+    assert any("TP group inside one node" in r for r in plan["reasons"])
+    assert result["fusion_backend"] == {"8": None}
+    assert result["pcie_ipc_eligible"] == {"8": True}
+    assert result["resolve_published"] == {"8": None}
+    assert result["resolve"]["trtllm"].startswith("ValueError: sglang-sm120: the trtllm fused")
+
+
+def test_pp_across_nodes_refuses_explicit_trtllm(model_dirs):
+    """Upstream refuses trtllm whenever nnodes > 1; the plan says so before warmup would."""
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        server_args={**PP2_OVER_2_NODES, "flashinfer_allreduce_fusion_backend": "trtllm"},
+    )
+    plan = json.loads(result["launch_plan"]["8"])["plan"]
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == (None, "pcie_ipc"), plan
+    assert "--flashinfer-allreduce-fusion-backend trtllm refused" in result["launcher_log"]
+    assert "nnodes > 1" in result["launcher_log"]
+
+
+def test_pp_across_nodes_serves_sm120_pcie(model_dirs):
+    require_kernel_package()
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        server_args=PP2_OVER_2_NODES,
+        env={"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie"},
+    )
+    plan = json.loads(result["launch_plan"]["8"])["plan"]
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == ("sm120_pcie", "sm120_pcie")
+    assert result["fusion_backend"] == {"8": "sm120_pcie"}
+    assert result["resolve_published"] == {"8": "sm120_pcie"}
+    assert result["resolve"]["sm120_pcie"] == "sm120_pcie"
+    assert result["ar_fusion_applies"] == {"8": True}
+
+
+def test_tp_spanning_nodes_stays_on_nccl(model_dirs):
+    """`--nnodes 2 --tp 16`: 8 TP ranks on each node, one TP group across both."""
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        16,
+        server_args={"nnodes": 2, "dist_init_addr": "127.0.0.1:5000"},
+        env={"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie"},
+    )
+    launched = json.loads(result["launch_plan"]["16"])
+    assert launched["gpu_ids"] == list(range(8))
+    plan = launched["plan"]
+    assert (plan["fusion_backend"], plan["plain_allreduce"]) == (None, "nccl"), plan
+    assert any(
+        r.startswith("plain all-reduce NCCL: the TP group spans 2 nodes") for r in plan["reasons"]
+    )
+    assert result["pcie_ipc_eligible"] == {"16": False}
+    assert result["resolve"]["sm120_pcie"].startswith(
+        "ValueError: sglang-sm120: sm120_pcie on several nodes serves a TP group inside one node"
+    )
 
 
 # --- "auto" means the plan decides, however it is spelled ----------------------------------------

@@ -106,6 +106,73 @@ ROWS = [
         None,
         "nccl",
     ),
+    # PP across nodes: SGLang gives one TP group max(nnodes // pp_size, 1) nodes (engine.py
+    # _calculate_rank_ranges). Inside one node the PCIe paths stay; trtllm is refused whenever
+    # nnodes > 1 (flashinfer_comm_fusion.resolve_flashinfer_allreduce_fusion_backend).
+    (
+        "PP2 over 2 nodes, TP8 inside each",
+        PCIE8,
+        D(8, model_arch=KIMI, nnodes=2, pp_size=2),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "PP4 over 2 nodes, two stages a node",
+        PCIE8,
+        D(4, model_arch=KIMI, nnodes=2, pp_size=4),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "PP2 over 2 nodes, TP2 auto trtllm off",
+        PCIE8,
+        D(2, model_arch=KIMI, nnodes=2, pp_size=2),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "PP2 over 2 nodes, explicit trtllm refused",
+        PCIE8,
+        D(8, model_arch=KIMI, nnodes=2, pp_size=2, fusion_backend_flag="trtllm"),
+        None,
+        "pcie_ipc",
+    ),
+    (
+        "PP2 over 2 nodes, sm120_pcie",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, nnodes=2, pp_size=2, plugin_backend=SM120_PCIE),
+        SM120_PCIE,
+        SM120_PCIE,
+    ),
+    (
+        "PP2 over 2 nodes, 4 GPUs a node for 8",
+        host(n=4),
+        D(8, model_arch=KIMI, nnodes=2, pp_size=2),
+        None,
+        "nccl",
+    ),
+    ("TP16 spans 2 nodes", PCIE8, D(16, model_arch=KIMI, nnodes=2), None, "nccl"),
+    (
+        "PP2 over 4 nodes: TP spans 2",
+        PCIE8,
+        D(8, model_arch=KIMI, nnodes=4, pp_size=2),
+        None,
+        "nccl",
+    ),
+    (
+        "TP16 spans 2 nodes, sm120_pcie refused",
+        WITH_KERNEL,
+        D(16, model_arch=KIMI, nnodes=2, plugin_backend=SM120_PCIE),
+        None,
+        "nccl",
+    ),
+    (
+        "single-node PP2 x TP4 judges all 8 GPUs",
+        one_pair_missing(),
+        D(4, model_arch=KIMI, pp_size=2),
+        None,
+        "nccl",
+    ),
     ("tp1", PCIE8, D(1, model_arch=KIMI), None, "none"),
     ("tp6 no PCIe-IPC kernels", PCIE8, D(6, model_arch=KIMI), None, "nccl"),
     ("tp larger than GPUs", NOP2P2, D(8, model_arch=KIMI), None, "nccl"),
@@ -202,6 +269,21 @@ def test_plan_table(facts, deployment, fusion, plain):
     assert plan.reasons and all(isinstance(r, str) and r for r in plan.reasons)
 
 
+def test_tp_spanning_nodes_says_so():
+    plan = plan_allreduce(PCIE8, Deployment(16, model_arch=KIMI, nnodes=2), ARCHS)
+    assert any(
+        r.startswith("plain all-reduce NCCL: the TP group spans 2 nodes") for r in plan.reasons
+    ), plan.reasons
+    assert any(r.startswith("fusion off: the TP group spans 2 nodes") for r in plan.reasons)
+
+
+def test_pp_across_nodes_refuses_trtllm_citing_upstream():
+    deployment = Deployment(8, model_arch=KIMI, nnodes=2, pp_size=2, fusion_backend_flag="trtllm")
+    plan = plan_allreduce(PCIE8, deployment, ARCHS)
+    assert any("requested trtllm refused" in r and "nnodes > 1" in r for r in plan.reasons)
+    assert any("TP group inside one node" in r for r in plan.reasons), plan.reasons
+
+
 def test_non_sm12x_is_not_managed():
     assert not plan_allreduce(H200, Deployment(8, model_arch=KIMI), ARCHS).managed
     assert plan_allreduce(PCIE8, Deployment(8, model_arch=KIMI), ARCHS).managed
@@ -296,6 +378,13 @@ TRTLLM_EVERYWHERE = table(
 )
 
 BACKEND_ROWS = [
+    (
+        "table: trtllm fastest, PP over 2 nodes: trtllm refused, sm120_pcie",
+        WITH_KERNEL,
+        D(8, model_arch=KIMI, nnodes=2, pp_size=2, tuning=TRTLLM_EVERYWHERE),
+        "sm120_pcie",
+        "sm120_pcie",
+    ),
     (
         "env sm120_pcie",
         WITH_KERNEL,

@@ -97,8 +97,21 @@ UPSTREAM_FLAGS = {
 }
 
 
+def check_ranks_divide(tp_size: int, pp_size: int, nnodes: int) -> None:
+    """SGLang asserts that tp x pp ranks divide over the nodes (arg_groups/validation_hook.py
+    ``check_server_args``)."""
+    if (tp_size * pp_size) % nnodes:
+        raise UsageError(
+            f"--tp {tp_size} x --pp-size {pp_size} = {tp_size * pp_size} ranks do not "
+            f"divide over --nnodes {nnodes} (SGLang refuses it)"
+        )
+
+
 def check_upstream_flags(args: argparse.Namespace) -> None:
-    """A value SGLang would refuse is not planned as if it meant something."""
+    """A value SGLang would refuse is not planned as if it meant something (doctor without
+    --tp plans every GPU here: its ranks are checked when the deployment is built)."""
+    if args.tp is not None:
+        check_ranks_divide(args.tp, args.pp_size, args.nnodes)
     for name, flag in UPSTREAM_FLAGS.items():
         value = getattr(args, name)
         choices = FLAG_CHOICES[flag]
@@ -159,6 +172,13 @@ def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> N
         help=f"as SGLang's --nnodes (default 1, at most {MAX_NODES})",
     )
     parser.add_argument(
+        "--pp-size",
+        type=positive_int,
+        default=1,
+        help="as SGLang's --pp-size (default 1); with --nnodes, PP stages across nodes keep a "
+        "TP group on one node",
+    )
+    parser.add_argument(
         "--attention-dp", action="store_true", help="as SGLang's --enable-dp-attention"
     )
     parser.add_argument(
@@ -200,10 +220,12 @@ def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> N
 def deployment_from_args(args: argparse.Namespace, tp_size: int) -> Deployment:
     from sglang_sm120.server.runtime import pcie_ipc_env, plugin_backend, validation_mode
 
+    check_ranks_divide(tp_size, args.pp_size, args.nnodes)
     chosen = args.plugin_backend or plugin_backend()
     return Deployment(
         tp_size=tp_size,
         nnodes=args.nnodes,
+        pp_size=args.pp_size,
         attention_dp=args.attention_dp,
         moe_a2a_backend=args.moe_a2a_backend,
         model_arch=args.model_arch,

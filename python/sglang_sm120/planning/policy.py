@@ -18,6 +18,9 @@ Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
   after a TP4 regression, maintainers asking for opt-in by TP).
 * Plain all-reduce: upstream's FlashInfer PCIe-IPC kernels at TP 2/4/8 on single-node, PCIe-only,
   all-pairs-P2P SM12x hosts, ahead of the fused backend's all-to-all kernel; NCCL otherwise.
+* Multi-node: judged by the TP group's span (``tp_group_nodes``). A TP group inside one node
+  (PP stages across nodes) keeps PCIe-IPC and ``sm120_pcie``; ``trtllm`` stays off, upstream
+  refuses it whenever nnodes > 1. A TP group spanning nodes: NCCL.
 * The user's explicit choices win (``--enforce-disable-flashinfer-allreduce-fusion``, an explicit
   backend, ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``, also over ``sm120_pcie``'s plain all-reduce)
   unless the hardware cannot run them: then the choice is refused with its reason and NCCL is used.
@@ -103,12 +106,22 @@ def _routes_from_ranges(value: list[Any]) -> tuple[tuple[int, str], ...]:
     return tuple(routes)
 
 
+def tp_group_nodes(nnodes: int, pp_size: int) -> int:
+    """How many nodes one TP group spans. SGLang 0.5.23 gives each PP stage
+    ``max(nnodes // pp_size, 1)`` nodes and splits its TP ranks evenly over them
+    (entrypoints/engine.py ``_calculate_rank_ranges``: ``nnodes_per_tp_group``; the DP
+    controller's ``launch_tensor_parallel_group`` places ranks the same way), and
+    ``initialize_model_parallel`` makes each TP group tp_size consecutive ranks of one stage."""
+    return max(nnodes // pp_size, 1)
+
+
 @dataclass(frozen=True)
 class Deployment:
     """The server args the decisions depend on; ``None`` where a caller does not know."""
 
     tp_size: int
     nnodes: int = 1
+    pp_size: int = 1  # --pp-size: pipeline stages, placed on the nodes before TP ranks are
     attention_dp: bool = False
     moe_a2a_backend: str = "none"
     model_arch: str | None = None
@@ -127,9 +140,20 @@ class Deployment:
     any_arch: bool = False  # validation mode (SGLANG_SM120_ANY_ARCH=1): SM90+ managed as SM12x
     host: HostFindings | None = None  # host checks and the p2p probe; None: not looked at
 
+    def ranks_per_node(self) -> tuple[int, int]:
+        """(TP ranks, PP stages) SGLang places on one node (``tp_group_nodes``)."""
+        return (
+            self.tp_size // tp_group_nodes(self.nnodes, self.pp_size),
+            max(self.pp_size // self.nnodes, 1),
+        )
+
     def used_gpu_ids(self) -> tuple[int, ...]:
-        """Every GPU the node's ranks use (all must be SM12x with P2P between them)."""
-        return self.gpu_ids if self.gpu_ids is not None else tuple(range(self.tp_size))
+        """Every GPU the node's ranks use (all must be SM12x with P2P between them); default:
+        the first (TP ranks x PP stages) of this node."""
+        if self.gpu_ids is not None:
+            return self.gpu_ids
+        tp, pp = self.ranks_per_node()
+        return tuple(range(tp * pp))
 
     def first_tp_group(self) -> tuple[int, ...]:
         """The GPUs of TP group 0, whose shape the tuning table was measured on."""
@@ -402,6 +426,43 @@ def _host_reasons(plan: AllReducePlan, hazards: HostHazards) -> tuple[str, ...]:
     )
 
 
+def _tp_span(facts: HostFacts, d: Deployment) -> tuple[int, int]:
+    """(nodes of the deployment, nodes one TP group spans); a topology's ``nnodes`` counts too."""
+    nodes = max(d.nnodes, facts.nnodes)
+    return nodes, tp_group_nodes(nodes, d.pp_size)
+
+
+def _span_text(d: Deployment, nodes: int, span: int) -> str:
+    return (
+        f"the TP group spans {span} nodes (tp={d.tp_size}, pp={d.pp_size}, nnodes={nodes}: "
+        f"{d.tp_size // span} TP ranks a node)"
+    )
+
+
+# Upstream refuses trtllm whenever nnodes > 1, wherever the TP group sits:
+# layers/flashinfer_comm_fusion.py resolve_flashinfer_allreduce_fusion_backend passes
+# ``get_parallel().nnodes > 1`` to ``_resolve_backend``, which raises for trtllm then.
+TRTLLM_MULTI_NODE = (
+    "upstream's trtllm backend is single-node only (flashinfer_comm_fusion._resolve_backend "
+    f"raises for it whenever nnodes > 1): use {PLUGIN_BACKEND_ENV}=sm120_pcie for a TP group "
+    "inside one node"
+)
+
+
+def _node_reasons(facts: HostFacts, d: Deployment) -> tuple[str, ...]:
+    """Where a multi-node launch's TP group sits, when it is inside one node (the spanning
+    case is said by the fusion and plain all-reduce reasons)."""
+    nodes, span = _tp_span(facts, d)
+    if nodes == 1 or span > 1:
+        return ()
+    stages = d.ranks_per_node()[1]
+    return (
+        f"PP across nodes: the TP group inside one node (tp={d.tp_size}, pp={d.pp_size}, "
+        f"nnodes={nodes}: {stages} PP stage{'s' if stages > 1 else ''} a node), where PCIe-IPC "
+        "(upstream's pcie_ipc_ar has no node check) and sgl-kernel-sm120 can serve it",
+    )
+
+
 def _fusion_blocker(
     cap: Capability, facts: HostFacts, d: Deployment, archs: Collection[str]
 ) -> str | None:
@@ -423,8 +484,9 @@ def _fusion_blocker(
         return "fusion not planned: model architecture unknown (pass --model-arch)"
     if d.model_arch is not None and d.model_arch not in archs:
         return f"fusion off: upstream has no fused all-reduce path for {d.model_arch}"
-    if d.nnodes > 1 or facts.nnodes > 1:
-        return "fusion off: the fused kernels are single-node only"
+    nodes, span = _tp_span(facts, d)
+    if span > 1:
+        return f"fusion off: {_span_text(d, nodes, span)}: the fused kernels reach one node's peers"
     if d.attention_dp:
         return "fusion off: attention data-parallelism"
     if d.moe_a2a_backend != "none":
@@ -489,6 +551,8 @@ def _plan_fusion(
                     "fabric, cutedsl needs SM100); use trtllm or sm120_pcie"
                 ),
             )
+        if _tp_span(facts, d)[0] > 1:
+            return None, f"fusion off (requested {requested} refused): {TRTLLM_MULTI_NODE}"
         how = (
             "--flashinfer-allreduce-fusion-backend"
             if requested == d.fusion_backend_flag
@@ -507,6 +571,8 @@ def _plan_fusion(
 def _default_fusion(facts: HostFacts, d: Deployment) -> tuple[str | None, str]:
     """(fusion backend, reason) where nobody asked for one and no tuning table decides."""
     hazards = host_hazards(d.host)
+    if d.tp_size in FUSION_AUTO_TP_SIZES and _tp_span(facts, d)[0] > 1:
+        return None, f"fusion off at TP{d.tp_size}: auto would pick trtllm, and {TRTLLM_MULTI_NODE}"
     if d.tp_size in FUSION_AUTO_TP_SIZES and (hazards.staged or hazards.push):
         return None, (
             f"fusion off at TP{d.tp_size}: auto would pick trtllm, whose one-shot push the host "
@@ -536,8 +602,12 @@ def _plan_plain(
 ) -> tuple[str, str]:
     if d.tp_size <= 1:
         return "none", "plain all-reduce: none at tp=1"
-    if d.nnodes > 1 or facts.nnodes > 1:
-        return "nccl", "plain all-reduce NCCL: multi-node"
+    nodes, span = _tp_span(facts, d)
+    if span > 1:
+        return "nccl", (
+            f"plain all-reduce NCCL: {_span_text(d, nodes, span)}: IPC all-reduce kernels "
+            "reach one node's peers"
+        )
     if d.ray:
         return "nccl", "plain all-reduce NCCL: --use-ray (the actors do not load SGLang plugins)"
     if not cap.fusion_capable:
@@ -587,12 +657,16 @@ def plan_allreduce(
     cap = hardware_capability(facts, gpu_ids, any_arch=deployment.any_arch)
     if not cap.sm12x:
         return AllReducePlan(False, None, "upstream", cap.reasons)
-    if deployment.nnodes == 1 and len(facts.gpus_at(gpu_ids)) < len(gpu_ids):
+    cap = dataclasses.replace(cap, reasons=(*cap.reasons, *_node_reasons(facts, deployment)))
+    spans_nodes = _tp_span(facts, deployment)[1] > 1
+    if not spans_nodes and len(facts.gpus_at(gpu_ids)) < len(gpu_ids):
         tp = deployment.tp_size
+        stages = deployment.ranks_per_node()[1]
+        shape = f"tp={tp}" + (f" x {stages} PP stages" if stages > 1 else "")
         reason = (
-            f"tp={tp} needs GPUs [{size_ranges(gpu_ids)}], {len(facts.gpus)} visible: NCCL"
+            f"{shape} needs GPUs [{size_ranges(gpu_ids)}], {len(facts.gpus)} visible: NCCL"
             if deployment.gpu_ids is not None
-            else f"tp={tp} needs {tp} GPUs, {len(facts.gpus)} visible: NCCL"
+            else f"{shape} needs {len(gpu_ids)} GPUs, {len(facts.gpus)} visible: NCCL"
         )
         return AllReducePlan(True, None, "nccl", (*cap.reasons, reason))
     hazards = host_hazards(deployment.host)
@@ -684,7 +758,8 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     custom_ar_first = d.custom_all_reduce and (d.tp_size == 2 or facts.has_nvlink)
     candidates: list[tuple[str | None, bool]] = [] if custom_ar_first else [(None, False)]
     measured = {backend for backend, _ in times}
-    if "trtllm" in measured:
+    trtllm_refused = _tp_span(facts, d)[0] > 1  # TRTLLM_MULTI_NODE
+    if "trtllm" in measured and not trtllm_refused:
         candidates.append(("trtllm", False))
     if _sm120_pcie_blocker(facts, d) is None and measured & set(SM120_PCIE_ROUTES):
         candidates.append(("sm120_pcie", False))
@@ -731,7 +806,9 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             displaced.setdefault((backend, routes[tokens]), []).append(tokens)
     for (backend, route), sizes in displaced.items():
         family = "sm120_pcie" if backend in SM120_PCIE_ROUTES else backend  # its fusion backend
-        if family in ("trtllm", "sm120_pcie") and family != fusion:
+        if family == "trtllm" and trtllm_refused:
+            why = "upstream refuses trtllm whenever nnodes > 1"
+        elif family in ("trtllm", "sm120_pcie") and family != fusion:
             why = f"one fusion backend per server, this one {fusion or 'off'}"
         elif backend == "sm120_pcie_unfused":
             why = f"needs sgl-kernel-sm120 as the plain all-reduce, the plan uses {plain}"

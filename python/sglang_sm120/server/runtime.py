@@ -361,7 +361,8 @@ def node_gpu_ids(
 ) -> tuple[int, ...]:
     """The CUDA indices SGLang gives the ranks of one node, as its engine and DP controller
     compute them: TP rank t of PP stage p of data-parallel replica r uses
-    base + r * tp * pp * step + p * tp + t * step."""
+    base + r * tp * pp * step + p * tp + t * step, with ``tp`` and ``pp`` the ranks and stages
+    on this node (``Deployment.ranks_per_node``)."""
     ids = {
         base_gpu_id + r * tp * pp * gpu_id_step + p * tp + t * gpu_id_step
         for r in range(replicas)
@@ -380,17 +381,10 @@ def deployment_from_view(view: Any) -> Deployment:
     model_config = model_config_of(view)
     dtype = str(model_config.dtype).removeprefix("torch.")
     attention_dp = attn_dp_enabled_of(view)
-    single_node = view.nnodes == 1
-    gpu_ids = node_gpu_ids(
-        tp=view.tp_size,
-        pp=view.pp_size if single_node else 1,
-        replicas=view.dp_size if view.dp_size > 1 and not attention_dp and single_node else 1,
-        base_gpu_id=view.base_gpu_id,
-        gpu_id_step=view.gpu_id_step,
-    )
     deployment = Deployment(
         tp_size=view.tp_size,
         nnodes=view.nnodes,
+        pp_size=view.pp_size,
         attention_dp=attention_dp,
         moe_a2a_backend=view.moe_a2a_backend,
         model_arch=model_config.hf_config.architectures[0],
@@ -400,12 +394,21 @@ def deployment_from_view(view: Any) -> Deployment:
         pcie_ipc_env=pcie_ipc_env(),
         deterministic=bool(view.enable_deterministic_inference),
         plugin_backend=plugin_backend(),
-        gpu_ids=gpu_ids,
         ray=bool(view.use_ray),
         disaggregation=view.disaggregation_mode not in (None, "null"),
         custom_all_reduce=not view.disable_custom_all_reduce,
         any_arch=validation_mode(),
     )
+    tp_here, pp_here = deployment.ranks_per_node()
+    gpu_ids = node_gpu_ids(
+        tp=tp_here,
+        pp=pp_here,
+        # Multi-node DP replicas are refused upstream (validation_hook.check_server_args).
+        replicas=view.dp_size if view.dp_size > 1 and not attention_dp and view.nnodes == 1 else 1,
+        base_gpu_id=view.base_gpu_id,
+        gpu_id_step=view.gpu_id_step,
+    )
+    deployment = dataclasses.replace(deployment, gpu_ids=gpu_ids)
     deployment = with_tuning(deployment, model_config.hidden_size, dtype)
     return with_host_findings(deployment, model_config.hidden_size)
 

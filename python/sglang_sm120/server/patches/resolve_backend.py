@@ -7,6 +7,8 @@ Why: ``flashinfer_comm_fusion._resolve_backend`` raises ValueError unless the GP
 How: AROUND hook. On SM12x hosts whose TP GPUs all have P2P (as the launcher saw them: a
     worker may see only its own GPU), on a single node, ``auto`` and
     ``trtllm`` resolve to ``trtllm`` and ``sm120_pcie`` (this distribution's backend) to itself;
+    on several nodes ``sm120_pcie`` resolves where the launcher's plan chose it (a TP group
+    inside one node, PP stages across nodes) and trtllm stays refused, as upstream refuses it;
     ``mnnvl``/``cutedsl``, multi-node, or missing P2P raise a ValueError that says why (the
     server-args patch normally refuses these before warmup).
     Other GPUs go to the original unchanged.
@@ -21,7 +23,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.planning.policy import FUSION_BACKENDS_RUNNABLE_ON_SM12X, Capability
 from sglang_sm120.server.contract import Symbol
-from sglang_sm120.server.runtime import worker_capability
+from sglang_sm120.server.runtime import worker_capability, worker_plan
 
 TARGET = "sglang.srt.layers.flashinfer_comm_fusion._resolve_backend"
 CONTRACT = (Symbol(TARGET, "function", params=("backend", "is_multi_node")),)
@@ -32,12 +34,24 @@ def not_needed(cap: Capability) -> str | None:
     return None if cap.sm12x else cap.reasons[0]
 
 
+def planned(backend: str) -> bool:
+    """Whether the launcher's plan chose ``backend``: on several nodes it does so only for a TP
+    group inside one node (policy ``tp_group_nodes``), which ``is_multi_node`` cannot tell."""
+    plan = worker_plan()
+    return plan is not None and plan.fusion_backend == backend
+
+
 def resolve_backend_on_sm12x(original, backend: str, is_multi_node: bool = False) -> str:
     cap = worker_capability()
     if not cap.sm12x:
         return original(backend, is_multi_node)
-    if backend == "sm120_pcie" and cap.fusion_capable and not is_multi_node:
-        return backend
+    if backend == "sm120_pcie" and cap.fusion_capable:
+        if not is_multi_node or planned(backend):
+            return backend
+        raise ValueError(
+            "sglang-sm120: sm120_pcie on several nodes serves a TP group inside one node only, "
+            "and the launcher's plan did not choose it"
+        )
     if backend not in FUSION_BACKENDS_RUNNABLE_ON_SM12X:
         raise ValueError(
             f"sglang-sm120: FlashInfer allreduce fusion backend {backend!r} cannot run on SM12x "
