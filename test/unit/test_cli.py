@@ -328,13 +328,40 @@ def test_doctors_forked_worker_check_reports_a_worker_that_cannot_load(monkeypat
     """The TP-worker check runs in a child forked from doctor; a child that fails says why."""
     import sys
 
-    from sglang_sm120.commands.doctor import start_worker_check
+    from sglang_sm120.commands.doctor import WorkerCheck
 
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", None)  # import fails
-    statuses = start_worker_check()()
+    with WorkerCheck() as worker:
+        statuses = worker.statuses()
     assert list(statuses) == ["(worker)"]
     assert statuses["(worker)"].startswith("could not load the plugin as a TP worker would: ")
     assert "sglang.srt.managers.scheduler" in statuses["(worker)"]
+
+
+def test_doctors_worker_check_forks_before_any_cuda_state_and_is_always_reaped():
+    """The child is forked after the fork-safe base (torch, transformers: no CUDA yet) and
+    before SGLang is imported here, which asks torch about CUDA devices; leaving early kills
+    and reaps it."""
+    code = (
+        "import os, torch\n"
+        "from sglang_sm120.commands.doctor import WorkerCheck, import_fork_safe_base\n"
+        "import_fork_safe_base()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(3 if torch.cuda._is_in_bad_fork() else 0)\n"
+        "assert os.waitpid(pid, 0)[1] == 0, 'a child forked there is in a bad fork'\n"
+        "try:\n"
+        "    with WorkerCheck() as worker:\n"
+        "        raise KeyboardInterrupt\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "try:\n"
+        "    os.kill(worker.pid, 0)\n"
+        "except ProcessLookupError:\n"
+        "    print('reaped')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "reaped", proc.stderr[-2000:]
 
 
 def test_doctor_lists_every_variable_set_accepted_or_refused(tmp_path):

@@ -233,3 +233,15 @@ def test_a_spawned_child_reimporting_main_keeps_its_parents_plan(tmp_path):
     assert child["launch_plan"] == "the parent's plan"
     assert child["patches"]["resolve_backend"] == "registered"  # a scheduler's seams
     assert child["patches"]["dp_controller_launch_plan"] == "registered"
+
+
+@pytest.mark.parametrize("role", ["launcher", "engine", "dp_controller"])
+def test_a_spawner_drops_an_inherited_scheduler_function_name(role, monkeypatch):
+    """A spawner names the scheduler function of its own children; one it inherited is
+    another launch's (review finding)."""
+    from sglang_sm120.server import plugin, runtime
+
+    monkeypatch.setenv(runtime.SCHEDULER_ENTRY_ENV, "some_script:my_scheduler")
+    monkeypatch.setenv(plugin.DISABLE_ENV, "1")  # registers nothing; the drop comes first
+    plugin.register_patches(role)
+    assert runtime.SCHEDULER_ENTRY_ENV not in os.environ

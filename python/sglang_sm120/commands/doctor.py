@@ -5,15 +5,16 @@ contract, the plan and the kernel images' coverage."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
 import signal
 import sys
 import warnings
-from collections.abc import Callable
 from typing import Any
 
+from sglang_sm120 import strict_json
 from sglang_sm120.commands.allreduce_options import deployment_for, mscclpp_imports
 from sglang_sm120.commands.args import (
     add_deployment_args,
@@ -38,6 +39,7 @@ def _worker_report(write_fd: int) -> None:
     """In the forked child: load plugins as SGLang's scheduler process does (the scheduler
     module imported first, so the child is judged a TP worker) and write what it applied."""
     try:
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang(\.|$)")
         import sglang.srt.managers.scheduler  # noqa: F401
         from sglang.srt.plugins import load_plugins
 
@@ -46,44 +48,75 @@ def _worker_report(write_fd: int) -> None:
         load_plugins()
         report = verify_applied()
     except BaseException as exc:  # reported by the parent, never raised in a forked child
-        report = {
-            "(worker)": f"could not load the plugin as a TP worker would: {one_line(str(exc))}"
-        }
+        report = {"(worker)": f"{WORKER_FAILED}: {one_line(str(exc) or type(exc).__name__)}"}
     with os.fdopen(write_fd, "w") as out:
         out.write(json.dumps(report))
 
 
-def start_worker_check() -> Callable[[], dict[str, str]]:
-    """Fork a child that checks the plugin as a TP worker loads it; returns the call that waits
-    for its statuses. Forked after this process imported SGLang (the launcher's modules), so
-    SGLang is imported once per doctor run, and before this process loads plugins, so the
-    child starts as a fresh worker would: no plugin loaded, no role decided."""
-    read_fd, write_fd = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: its output would interleave with doctor's
-        os.close(read_fd)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        _worker_report(write_fd)
-        os._exit(0)
-    os.close(write_fd)
+WORKER_FAILED = "could not load the plugin as a TP worker would"
 
-    def statuses() -> dict[str, str]:
-        with os.fdopen(read_fd) as pipe:
+
+def import_fork_safe_base() -> None:
+    """What SGLang imports first and every TP worker shares, imported once before the worker
+    check forks: torch and transformers, which start no CUDA (importing SGLang itself does:
+    ``srt/platforms`` asks torch for the device count and name, and a CUDA runtime must not be
+    forked). ``test_cli`` checks that a child forked here is not in a bad fork."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+
+class WorkerCheck:
+    """A child, forked before this process imports SGLang or loads plugins, that loads the
+    plugin as a TP worker does and reports what it applied: it starts as a fresh worker would
+    (no plugin loaded, no role decided, no CUDA state), imports SGLang beside this process, and
+    is always reaped, whatever happens in this one."""
+
+    def __enter__(self) -> WorkerCheck:
+        read_fd, write_fd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: its output would interleave with doctor's
+            try:
+                os.close(read_fd)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+                _worker_report(write_fd)
+            finally:
+                os._exit(0)  # never back into doctor, whatever was raised
+        os.close(write_fd)
+        self.read_fd, self.done = read_fd, False
+        return self
+
+    def statuses(self) -> dict[str, str]:
+        """The child's report (each patch's status), or one ``(worker)`` line saying why not."""
+        with os.fdopen(self.read_fd) as pipe:
             ready, _, _ = select.select([pipe], [], [], WORKER_TIMEOUT_S)
             text = pipe.read() if ready else ""
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        if text:
-            return json.loads(text)
+        status = self._reap(kill=not ready)
+        try:
+            report = strict_json.loads(text) if text else None
+        except ValueError as exc:
+            report = {"(worker)": f"{WORKER_FAILED}: its report is not JSON ({exc})"}
+        if isinstance(report, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in report.items()
+        ):
+            return report
         why = f"no answer in {WORKER_TIMEOUT_S} s" if not ready else f"exit status {status}"
-        return {"(worker)": f"could not load the plugin as a TP worker would: {why}"}
+        return {"(worker)": f"{WORKER_FAILED}: {why}"}
 
-    return statuses
+    def _reap(self, kill: bool) -> int:
+        self.done = True
+        if kill:
+            os.kill(self.pid, signal.SIGKILL)
+        return os.waitpid(self.pid, 0)[1]
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.done:  # doctor stopped before it asked: no child outlives it
+            with contextlib.suppress(OSError):
+                os.close(self.read_fd)
+            self._reap(kill=True)
 
 
 def _unvisited_status(module) -> str:
@@ -99,7 +132,7 @@ def _unvisited_status(module) -> str:
     return f"needed in the {names} (doctor starts no such process)"
 
 
-def _plugin_state(worker_statuses: Callable[[], dict[str, str]]) -> dict[str, Any]:
+def _plugin_state(worker: WorkerCheck) -> dict[str, Any]:
     """Load plugins exactly as an SGLang launcher does, then take what the forked TP worker
     reported, and report what each really applied (every hook looked up in its target's
     applied chain)."""
@@ -116,7 +149,7 @@ def _plugin_state(worker_statuses: Callable[[], dict[str, str]]) -> dict[str, An
         ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
     )
     load_plugins()
-    by_process = {"launcher": verify_applied(), "TP worker": worker_statuses()}
+    by_process = {"launcher": verify_applied(), "TP worker": worker.statuses()}
     if not by_process["launcher"]:
         unloaded = "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"
         by_process["launcher"] = {"(none)": unloaded}
@@ -194,7 +227,7 @@ def describe_source(facts: HostFacts) -> str:
 
 
 def import_sglang() -> None:
-    """SGLang's launcher-side modules, imported once: the worker check forks from here. The
+    """SGLang's launcher-side modules, in this process (the worker check imports its own). The
     UserWarnings SGLang raises while importing on a machine without a GPU (AWQ, GGUF, Triton)
     are about upstream's import, not this machine: not shown."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang(\.|$)")
@@ -229,19 +262,19 @@ def run(args: argparse.Namespace) -> int:
         check_tp(facts, tp_size, args.nnodes)
     require_sglang()
     check_upstream_flags(args)  # bad input is still one line, before any progress line
-    progress(f"{describe_source(facts)}; loading SGLang ...")
-    import_sglang()
-    progress("checking the plugin as the launcher and as a TP worker (forked) load it ...")
-    worker_statuses = start_worker_check()
-    findings = host_findings(
-        facts, tp_size, args.hidden, tuple(range(min(tp_size, len(facts.gpus)))) or None
-    )
-    host = findings if findings_describe(facts) else None
-    plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host)
-    deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
-    levers = allreduce_levers(facts, deployment, plan, fusion_archs(), mscclpp_imports())
-    nccl = nccl_warnings(os.environ, facts, deployment, plan)
-    state = _plugin_state(worker_statuses)
+    progress(f"{describe_source(facts)}; loading SGLang, as the launcher and a TP worker ...")
+    import_fork_safe_base()
+    with WorkerCheck() as worker:
+        import_sglang()
+        findings = host_findings(
+            facts, tp_size, args.hidden, tuple(range(min(tp_size, len(facts.gpus)))) or None
+        )
+        host = findings if findings_describe(facts) else None
+        plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host)
+        deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
+        levers = allreduce_levers(facts, deployment, plan, fusion_archs(), mscclpp_imports())
+        nccl = nccl_warnings(os.environ, facts, deployment, plan)
+        state = _plugin_state(worker)
     progress("reading the kernel images ...")
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
     coverage = _kernel_coverage(capability)

@@ -632,7 +632,8 @@ class ServerBatch:
         deadline = time.monotonic() + self.JOIN_S
         for thread in self.threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.runs.stopping.clear()
+        if not any(thread.is_alive() for thread in self.threads):
+            self.runs.stopping.clear()  # else a thread still running must not start another
 
 
 MTIME_SLACK_S = 0.1

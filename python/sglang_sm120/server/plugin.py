@@ -23,6 +23,7 @@ version is not the pinned one -> a contract symbol does not match. ``register()`
 from __future__ import annotations
 
 import logging
+import os
 from importlib import metadata
 
 from sglang_sm120.machine.topology import TopologyError
@@ -32,6 +33,7 @@ from sglang_sm120.server.runtime import (
     BOOTSTRAPPING_ROLES,
     DISABLE_ENV,
     PATCH_STATUS,
+    SCHEDULER_ENTRY_ENV,
     SPAWNER_ROLES,
     log_once,
     logger,
@@ -76,6 +78,7 @@ def register_patches(role: str) -> dict[str, str]:
 
     if role in SPAWNER_ROLES:  # it publishes its own plan; one it inherited is another launch's
         withdraw_launch_plan()
+        os.environ.pop(SCHEDULER_ENTRY_ENV, None)  # and so is the scheduler function it named
     if plugin_disabled():
         _record(f"disabled ({DISABLE_ENV}=1)")
         return dict(PATCH_STATUS)
