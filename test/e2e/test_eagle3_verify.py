@@ -220,7 +220,7 @@ def real_pair_threshold(target: str, draft: str) -> tuple[float, str]:
     if known is None:
         pytest.fail(
             f"no accept-length threshold recorded for {target} + {draft}: add it to KNOWN_PAIRS "
-            "(sglang_sm120/e2e.py) or set SGLANG_SM120_E2E_MIN_ACCEPT"
+            "(sglang_sm120/commands/e2e.py) or set SGLANG_SM120_E2E_MIN_ACCEPT"
         )
     return known
 

@@ -43,7 +43,7 @@ from typing import Any
 VARIANTS = {"sm120_pcie": {"SGLANG_SM120_FUSION_BACKEND": "sm120_pcie"}, "default": {}}
 WORLD = 2
 HIDDEN = 7168  # the model's hidden size (Kimi-K2.5 / DeepSeek-V3 config)
-TRACED = ("/sglang/srt/distributed/", "/sglang/srt/layers/", "/sglang_sm120/patches/")
+TRACED = ("/sglang/srt/distributed/", "/sglang/srt/layers/", "/sglang_sm120/server/patches/")
 CONTEXT_READS = ("/sglang/srt/runtime_context.py",)
 
 

@@ -248,7 +248,12 @@ def publish_plan(monkeypatch, plan, tp: int) -> None:
     from sglang_sm120.server import runtime
 
     capability = Capability(True, True, True, ("test host",))
-    launched = {"tp_size": tp, "capability": capability.to_json(), "plan": plan.to_json()}
+    launched = {
+        "tp_size": tp,
+        "gpu_ids": list(range(tp)),
+        "capability": capability.to_json(),
+        "plan": plan.to_json(),
+    }
     monkeypatch.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(launched))
     runtime._launch_plan.cache_clear()
     monkeypatch.delenv("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", raising=False)
