@@ -5,11 +5,9 @@ contract, the plan and the kernel images' coverage."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import select
-import signal
+import subprocess
 import sys
 import warnings
 from typing import Any
@@ -35,88 +33,64 @@ from sglang_sm120.version import SGLANG_PIN, __version__
 WORKER_TIMEOUT_S = 300
 
 
-def _worker_report(write_fd: int) -> None:
-    """In the forked child: load plugins as SGLang's scheduler process does (the scheduler
-    module imported first, so the child is judged a TP worker) and write what it applied."""
-    try:
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang(\.|$)")
-        import sglang.srt.managers.scheduler  # noqa: F401
-        from sglang.srt.plugins import load_plugins
-
-        from sglang_sm120.server.status import verify_applied
-
-        load_plugins()
-        report = verify_applied()
-    except BaseException as exc:  # reported by the parent, never raised in a forked child
-        report = {"(worker)": f"{WORKER_FAILED}: {one_line(str(exc) or type(exc).__name__)}"}
-    with os.fdopen(write_fd, "w") as out:
-        out.write(json.dumps(report))
-
-
 WORKER_FAILED = "could not load the plugin as a TP worker would"
-
-
-def import_fork_safe_base() -> None:
-    """What SGLang imports first and every TP worker shares, imported once before the worker
-    check forks: torch and transformers, which start no CUDA (importing SGLang itself does:
-    ``srt/platforms`` asks torch for the device count and name, and a CUDA runtime must not be
-    forked). ``test_cli`` checks that a child forked here is not in a bad fork."""
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+# What a TP worker does before it loads plugins: SGLang's scheduler module imported first, so
+# the process is judged a TP worker, then load_plugins(); it prints what it really applied.
+WORKER_REPORT = (
+    "import json, warnings\n"
+    "warnings.filterwarnings('ignore', category=UserWarning, module=r'sglang(\\.|$)')\n"
+    "import sglang.srt.managers.scheduler\n"
+    "from sglang.srt.plugins import load_plugins\n"
+    "load_plugins()\n"
+    "from sglang_sm120.server.status import verify_applied\n"
+    "print('WORKER ' + json.dumps(verify_applied()))\n"
+)
 
 
 class WorkerCheck:
-    """A child, forked before this process imports SGLang or loads plugins, that loads the
-    plugin as a TP worker does and reports what it applied: it starts as a fresh worker would
-    (no plugin loaded, no role decided, no CUDA state), imports SGLang beside this process, and
-    is always reaped, whatever happens in this one."""
+    """The plugin loaded as a TP worker loads it, in a fresh interpreter started as doctor
+    begins, so it imports SGLang while this process does the launcher's part: a fresh process,
+    as SGLang spawns its schedulers (a fork of this one would carry the CUDA state SGLang's
+    import creates on a GPU machine). Always stopped and reaped, whatever happens here."""
+
+    def __init__(self, code: str = WORKER_REPORT) -> None:
+        self.code = code
 
     def __enter__(self) -> WorkerCheck:
-        read_fd, write_fd = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child: its output would interleave with doctor's
-            try:
-                os.close(read_fd)
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, 1)
-                os.dup2(devnull, 2)
-                _worker_report(write_fd)
-            finally:
-                os._exit(0)  # never back into doctor, whatever was raised
-        os.close(write_fd)
-        self.read_fd, self.done = read_fd, False
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="backslashreplace",
+        )
         return self
 
     def statuses(self) -> dict[str, str]:
-        """The child's report (each patch's status), or one ``(worker)`` line saying why not."""
-        with os.fdopen(self.read_fd) as pipe:
-            ready, _, _ = select.select([pipe], [], [], WORKER_TIMEOUT_S)
-            text = pipe.read() if ready else ""
-        status = self._reap(kill=not ready)
+        """The worker's report (each patch's status), or one ``(worker)`` line saying why not."""
         try:
-            report = strict_json.loads(text) if text else None
-        except ValueError as exc:
-            report = {"(worker)": f"{WORKER_FAILED}: its report is not JSON ({exc})"}
+            out, err = self.proc.communicate(timeout=WORKER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            return {"(worker)": f"{WORKER_FAILED}: no answer in {WORKER_TIMEOUT_S} s"}
+        lines = [line for line in out.splitlines() if line.startswith("WORKER ")]
+        try:
+            report = strict_json.loads(lines[-1].removeprefix("WORKER ")) if lines else None
+        except ValueError:
+            report = None
         if isinstance(report, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in report.items()
         ):
             return report
-        why = f"no answer in {WORKER_TIMEOUT_S} s" if not ready else f"exit status {status}"
-        return {"(worker)": f"{WORKER_FAILED}: {why}"}
-
-    def _reap(self, kill: bool) -> int:
-        self.done = True
-        if kill:
-            os.kill(self.pid, signal.SIGKILL)
-        return os.waitpid(self.pid, 0)[1]
+        tail = (err.strip().splitlines() or [f"exit status {self.proc.returncode}"])[-1]
+        return {"(worker)": f"{WORKER_FAILED}: {one_line(tail)}"}
 
     def __exit__(self, *exc: Any) -> None:
-        if not self.done:  # doctor stopped before it asked: no child outlives it
-            with contextlib.suppress(OSError):
-                os.close(self.read_fd)
-            self._reap(kill=True)
+        if self.proc.poll() is None:  # doctor stopped before it asked: no child outlives it
+            self.proc.kill()
+            self.proc.communicate()
 
 
 def _unvisited_status(module) -> str:
@@ -133,7 +107,7 @@ def _unvisited_status(module) -> str:
 
 
 def _plugin_state(worker: WorkerCheck) -> dict[str, Any]:
-    """Load plugins exactly as an SGLang launcher does, then take what the forked TP worker
+    """Load plugins exactly as an SGLang launcher does, then take what the TP worker process
     reported, and report what each really applied (every hook looked up in its target's
     applied chain)."""
     from importlib.metadata import entry_points
@@ -167,6 +141,16 @@ def _plugin_state(worker: WorkerCheck) -> dict[str, Any]:
         "patches_by_process": by_process,
         "contract_problems": check(declared_contract(PATCHES)),
     }
+
+
+def patch_lines(state: dict[str, Any]) -> list[str]:
+    """Each patch's status, and a line for a process whose check could not run (its patches
+    would otherwise read "not used in the launcher" and look fine)."""
+    lines = ["patches:"]
+    lines += [f"  {name:<22} {status}" for name, status in state["patches"].items()]
+    for process, statuses in state["patches_by_process"].items():
+        lines += [f"  {process}: {why}" for key, why in statuses.items() if key.startswith("(")]
+    return lines
 
 
 def _kernel_coverage(capability: tuple[int, int] | None) -> dict[str, Any]:
@@ -263,7 +247,6 @@ def run(args: argparse.Namespace) -> int:
     require_sglang()
     check_upstream_flags(args)  # bad input is still one line, before any progress line
     progress(f"{describe_source(facts)}; loading SGLang, as the launcher and a TP worker ...")
-    import_fork_safe_base()
     with WorkerCheck() as worker:
         import_sglang()
         findings = host_findings(
@@ -314,8 +297,7 @@ def run(args: argparse.Namespace) -> int:
         f"entry point sglang.srt.plugins -> sglang_sm120: "
         f"{'discovered' if state['entry_point_discovered'] else 'NOT discovered'}"
     )
-    lines.append("patches:")
-    lines += [f"  {name:<22} {status}" for name, status in state["patches"].items()]
+    lines += patch_lines(state)
     problems = state["contract_problems"]
     lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
     lines += [f"  - {p}" for p in problems]
