@@ -37,3 +37,18 @@ def write_model_config(root: Path, arch: str) -> Path:
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {arch: write_model_config(root, arch) for arch in MODEL_CONFIGS}
+
+
+@pytest.fixture
+def fresh_worker(monkeypatch):
+    """A worker process on the 8x SM120 profile that has not read a launch plan yet."""
+    from sglang_sm120.machine import facts
+    from sglang_sm120.server import runtime
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    caches = (facts.current_facts, runtime.sm12x_capability, runtime._launch_plan)
+    for cached in caches:
+        cached.cache_clear()
+    yield monkeypatch
+    for cached in caches:
+        cached.cache_clear()

@@ -883,20 +883,6 @@ LAUNCH_PLAN_VALUES = [
 ]
 
 
-@pytest.fixture
-def fresh_worker(monkeypatch):
-    """A worker on the 8x SM120 profile that has not read a launch plan yet."""
-    from sglang_sm120.machine import facts
-
-    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
-    caches = (facts.current_facts, runtime.sm12x_capability, runtime._launch_plan)
-    for cached in caches:
-        cached.cache_clear()
-    yield monkeypatch
-    for cached in caches:
-        cached.cache_clear()
-
-
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [r[1:] for r in LAUNCH_PLAN_VALUES],

@@ -72,22 +72,10 @@ MALFORMED = [
 ]
 
 
-@pytest.fixture
-def worker(monkeypatch):
-    """A worker process on the 8x SM120 profile, before it read any launch plan."""
-    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
-    caches = (facts.current_facts, runtime.sm12x_capability, runtime._launch_plan)
-    for cached in caches:
-        cached.cache_clear()
-    yield monkeypatch
-    for cached in caches:
-        cached.cache_clear()
-
-
 @pytest.mark.parametrize("value", [row[1] for row in MALFORMED], ids=[row[0] for row in MALFORMED])
-def test_a_malformed_launch_plan_is_ignored_with_one_warning(worker, caplog, value):
+def test_a_malformed_launch_plan_is_ignored_with_one_warning(fresh_worker, caplog, value):
     raw = value if isinstance(value, str) else json.dumps(value)
-    worker.setenv(runtime.LAUNCH_PLAN_ENV, raw)
+    fresh_worker.setenv(runtime.LAUNCH_PLAN_ENV, raw)
     with caplog.at_level(logging.WARNING, logger="sglang_sm120"):
         for _ in range(2):  # every patch asks; the answer and the warning come once
             assert runtime.worker_plan() is None
@@ -99,8 +87,8 @@ def test_a_malformed_launch_plan_is_ignored_with_one_warning(worker, caplog, val
     assert warnings[0].endswith("): ignored") and "\n" not in warnings[0]
 
 
-def test_a_valid_launch_plan_is_followed(worker, caplog):
-    worker.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(published()))
+def test_a_valid_launch_plan_is_followed(fresh_worker, caplog):
+    fresh_worker.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(published()))
     with caplog.at_level(logging.WARNING, logger="sglang_sm120"):
         assert runtime.worker_plan() == AllReducePlan.from_json(PLAN)
         assert runtime.worker_tp_size() == 2
@@ -202,7 +190,7 @@ def test_a_plan_that_would_not_fit_even_without_a_table_is_not_published(kernel_
     assert plan.reasons[0].startswith("plan not published: it takes ")
 
 
-def test_an_instance_connector_publishes_no_plan_and_says_why(worker, caplog):
+def test_an_instance_connector_publishes_no_plan_and_says_why(fresh_worker, caplog):
     """Issue 26 item 5b. With ``--model-path instance://...`` SGLang returns before its fusion
     auto-enable pass (arg_groups/model_hook.py), so the server args carry no fused backend to
     compare with: the Engine publishes nothing and says so, not "resolved before sglang-sm120
@@ -211,7 +199,7 @@ def test_an_instance_connector_publishes_no_plan_and_says_why(worker, caplog):
     import types
 
     args = types.SimpleNamespace(model_path="instance://127.0.0.1:30000", tp_size=2)
-    worker.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(published()))  # an inherited one
+    fresh_worker.setenv(runtime.LAUNCH_PLAN_ENV, json.dumps(published()))  # an inherited one
     with caplog.at_level(logging.WARNING, logger="sglang_sm120"):
         plan = runtime.plan_for_spawn(args)
     assert not plan.managed and runtime.LAUNCH_PLAN_ENV not in __import__("os").environ
