@@ -2,12 +2,13 @@
 
     python benchmark/bench_cli.py [--runs 3] [--doctor-runs 2] [--selftest] [--out FILE.json]
 
-Times ``--version``, ``plan`` (the 8x RTX PRO 6000 profile), a refused flag, ``doctor`` and
-``doctor --json`` (on this machine, or on ``SGLANG_SM120_TOPOLOGY`` where set), each in a new
-process, and prints min / median / max of wall time and of CPU time (user + system of the
-command and its children: on a loaded machine, CPU seconds are the fair number). ``--selftest``
-adds one ``selftest --tp 1`` (a GPU and SGLang needed; extra selftest arguments after ``--``)
-and the phases it prints. Writes the table as JSON with the machine named.
+Times ``--version``, ``plan`` (the 8x RTX PRO 6000 profile), a refused flag, ``doctor
+--recheck`` (its plugin checks run), then ``doctor`` and ``doctor --json`` (their checks
+reused), on this machine or on ``SGLANG_SM120_TOPOLOGY`` where set, each in a new process, and
+prints min / median / max of wall time and of CPU time (user + system of the command and its
+children: on a loaded machine, CPU seconds are the fair number). ``--selftest`` adds one
+``selftest --tp 1`` (a GPU and SGLang needed; extra selftest arguments after ``--``) and the
+phases it prints. Writes the table as JSON with the machine named.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ CASES = {
     "--version": (["--version"], 0),
     "plan (8x RTX PRO 6000 profile)": ([*PLAN, *ARCH], 0),
     "plan, refused --fusion-backend": ([*PLAN, "--fusion-backend", "bogus"], 2),
+    # --recheck first: it loads the plugin as the launcher and a TP worker every time, and
+    # leaves the cache the two after it reuse (a user's every doctor after the first).
+    "doctor --recheck": (["doctor", "--recheck", *ARCH], 0),
     "doctor": (["doctor", *ARCH], 0),
     "doctor --json": (["doctor", "--json", *ARCH], 0),
 }

@@ -41,4 +41,6 @@ def server_runs(e2e_ready, tmp_path_factory) -> Iterator[ServerRuns]:
     log_root = os.environ.get("SGLANG_SM120_E2E_LOG_DIR")
     log_dir = Path(log_root) if log_root else tmp_path_factory.mktemp("server-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    yield ServerRuns(tmp_path_factory.mktemp("server-runs"), log_dir)
+    runs = ServerRuns(tmp_path_factory.mktemp("server-runs"), log_dir)
+    yield runs
+    runs.stop_all()  # servers started in the background for cases that never ran

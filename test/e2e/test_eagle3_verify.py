@@ -51,13 +51,14 @@ from sglang_sm120.commands.e2e import (
     refused_backend,
 )
 from sglang_sm120.commands.selftest import (
+    SHARED_GPU_KV_TOKENS,
     Check,
     designed_tokens_check,
     graph_checks,
     greedy_check,
     plan_checks,
 )
-from sglang_sm120.server.env_report import E2E_MIN_ACCEPT
+from sglang_sm120.server.env_report import E2E_MIN_ACCEPT, E2E_PARALLEL
 
 _MISSING = missing_prerequisite()
 if _MISSING:
@@ -110,6 +111,11 @@ class Case:
     prompts: tuple[str, ...]
     max_new_tokens: int = 32
     tree: tuple[int, int, int] = SMALL_TREE
+    max_total_tokens: int | None = None  # a capped KV pool, for servers sharing the GPUs
+
+    def launches(self) -> tuple[Launch, Launch]:
+        """(the reference, the EAGLE-3 server)."""
+        return self._launch(draft=None), self._launch(draft=self.draft)
 
     def plain(self) -> RunResult:
         return self.runs.get(self._launch(draft=None))
@@ -126,6 +132,7 @@ class Case:
             self.tree,
             self.prompts,
             self.max_new_tokens,
+            max_total_tokens=self.max_total_tokens,
             extra_args=env_server_args(),
         )
 
@@ -139,14 +146,72 @@ def _tiny_params() -> list[Any]:
     ]
 
 
+# Backends whose plan can refuse them (the case skips): their servers start once the plan is in.
+REFUSABLE = ("trtllm", "sm120_pcie")
+
+
+class TinyServers:
+    """The tiny-pair servers of one TP size, all started in the background by the first case of
+    that size, ``SGLANG_SM120_E2E_PARALLEL`` at a time, each with a capped KV pool (as selftest
+    starts its pair): a case then waits only for its own two. Only the cases pytest collected
+    count, so ``-k llama`` starts no DeepSeek server. Backends the plan may refuse start after
+    their plan is in; the others start before any plan is asked for."""
+
+    def __init__(self, runs: ServerRuns, pairs: dict[str, Any], collected: set[tuple]) -> None:
+        self.runs, self.pairs, self.collected = runs, pairs, collected
+        self.started: set[int] = set()
+
+    def case(self, arch: str, tp: int, backend: str, fusion: str | None) -> Case:
+        pair = self.pairs[arch]
+        return Case(
+            self.runs,
+            str(pair.target),
+            str(pair.draft),
+            tp,
+            backend,
+            fusion,
+            tiny_models.PROMPTS,
+            max_total_tokens=SHARED_GPU_KV_TOKENS,
+        )
+
+    def start(self, tp: int) -> None:
+        if tp in self.started:
+            return
+        self.started.add(tp)
+        cases = sorted((a, b) for a, t, b in self.collected if t == tp)
+        sure = [self.case(a, tp, b, None) for a, b in cases if b not in REFUSABLE]
+        self._start([launch for case in sure for launch in case.launches()])
+        planned = []
+        for arch, backend in cases:
+            if backend in REFUSABLE:
+                target = str(self.pairs[arch].target)
+                args = (tp, model_arch(target), backend, hidden_size(target), model_dtype(target))
+                if refused_backend(*args) is None:
+                    planned.append(self.case(arch, tp, backend, None))
+        self._start([launch for case in planned for launch in case.launches()])
+
+    def _start(self, launches: list[Launch]) -> None:
+        if launches:  # memoised: each case's get() waits for its own servers
+            self.runs.start(launches, at_once=True, at_most=E2E_PARALLEL.read()).__enter__()
+
+
+@pytest.fixture(scope="session")
+def tiny_servers(request, tiny_pairs, server_runs) -> TinyServers:
+    collected = {
+        item.callspec.params["tiny_case"]
+        for item in request.session.items
+        if "tiny_case" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    return TinyServers(server_runs, tiny_pairs, collected)
+
+
 @pytest.fixture
-def tiny_case(request, tiny_pairs, server_runs) -> Case:
+def tiny_case(request, tiny_servers) -> Case:
     arch, tp, backend = request.param
     require_gpus(tp)
-    pair = tiny_pairs[arch]
-    fusion = expected_fusion(tp, str(pair.target), backend)
-    prompts = tiny_models.PROMPTS
-    return Case(server_runs, str(pair.target), str(pair.draft), tp, backend, fusion, prompts)
+    tiny_servers.start(tp)
+    target = str(tiny_servers.pairs[arch].target)
+    return tiny_servers.case(arch, tp, backend, expected_fusion(tp, target, backend))
 
 
 def assert_passed(checks: list[Check]) -> None:

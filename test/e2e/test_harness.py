@@ -267,6 +267,22 @@ def test_launches_one_after_the_other_do_not_overlap(timed_runs) -> None:
     assert stopped < timeline.when(f"starting server {spec.name} ")
 
 
+def test_at_most_n_launches_run_at_a_time(timed_runs) -> None:
+    """Three launches, two at a time: the first two start together, the third only once one of
+    them stopped."""
+    runs, timeline = timed_runs
+    launches = [
+        h.Launch(f"fake{i}", 1, "off", prompts=("a",), max_new_tokens=4, plugin=False)
+        for i in range(3)
+    ]
+    with runs.start(launches, at_once=True, at_most=2) as servers:
+        assert [r.launch for r in servers.results()] == launches
+    first, second, third = (timeline.when(f"starting server {x.name} ") for x in launches)
+    assert max(first, second) < timeline.when(f"{launches[0].name} ready")
+    stopped = min(timeline.when(f"server {x.name} stopped") for x in launches[:2])
+    assert stopped < third
+
+
 def test_a_launch_that_fails_beside_another_is_reported_and_the_other_kept(timed_runs) -> None:
     runs, _ = timed_runs
     crash = h.Launch("crash", 1, "off", prompts=("a",))

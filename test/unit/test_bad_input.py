@@ -451,7 +451,30 @@ def test_doctor_where_sglang_is_not_importable(tmp_path):
         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
         timeout=120,
     )
-    assert_one_line_error(proc, "sglang is not importable (No module named 'sglang')")
+    assert_one_line_error(proc, "sglang is not installed; sglang-sm120")
+
+
+def test_doctor_where_sglang_is_installed_but_does_not_import(tmp_path):
+    """sglang is found (doctor no longer imports it to know) but its import fails: one line
+    naming the failure, and the TP-worker check started beside it is stopped."""
+    shutil.copytree(Path(sglang_sm120.__file__).parent, tmp_path / "sglang_sm120")
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    proc = subprocess.run(
+        [sys.executable, "-S", "-m", "sglang_sm120.commands.cli", "doctor"],
+        capture_output=True,
+        text=True,
+        env={
+            "PYTHONPATH": str(tmp_path),
+            "PATH": "/usr/bin:/bin",
+            "SGLANG_SM120_CACHE_DIR": str(tmp_path / "cache"),
+        },
+        timeout=120,
+    )
+    progress, error = proc.stderr.strip().splitlines()  # what doctor began, then why it stopped
+    assert progress.endswith("loading SGLang, as the launcher and a TP worker ...")
+    proc.stderr = error
+    assert_one_line_error(proc, "sglang does not import (no torch here)")
 
 
 def test_a_bad_topology_variable_in_a_server_process_is_one_error_and_no_patch():

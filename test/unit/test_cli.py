@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from kernel_library import expected_sm120_pcie_status, require_kernel_package
@@ -22,6 +23,8 @@ def run_cli(
     )
     assert exe, "the sglang-sm120 console script is not installed"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SM120_")}
+    # a cache of its own: doctor reuses its plugin checks from the cache directory
+    full_env["SGLANG_SM120_CACHE_DIR"] = tempfile.mkdtemp(prefix="sglang-sm120-cache-")
     full_env.update(env or {})
     return subprocess.run(
         [exe, *args],
@@ -326,7 +329,7 @@ def test_plan_with_fusion_backend_auto_follows_the_tp_default(tp, fusion):
 
 def test_doctors_worker_check_reports_a_worker_that_cannot_load():
     """The TP-worker check runs in its own process; one that fails says why, in one line."""
-    from sglang_sm120.commands.doctor import WorkerCheck
+    from sglang_sm120.commands.plugin_check import WorkerCheck
 
     failing = (
         "import sys\nsys.stderr.write('boom\\nImportError: no scheduler here\\n')\nsys.exit(1)"
@@ -341,7 +344,7 @@ def test_doctors_worker_check_reports_a_worker_that_cannot_load():
 def test_doctor_text_says_when_the_worker_check_could_not_run():
     """A failed worker check is a line of doctor's text, not only a JSON key: the worker's
     patches otherwise read "not used in the launcher" and look fine."""
-    from sglang_sm120.commands.doctor import patch_lines
+    from sglang_sm120.commands.plugin_check import patch_lines
 
     why = "could not load the plugin as a TP worker would: ImportError: no scheduler"
     state = {
@@ -362,7 +365,7 @@ def test_doctors_worker_check_is_always_stopped_and_reaped():
     """doctor leaving before it asked (an error, Ctrl-C) leaves no worker check behind."""
     import os
 
-    from sglang_sm120.commands.doctor import WorkerCheck
+    from sglang_sm120.commands.plugin_check import WorkerCheck
 
     with pytest.raises(KeyboardInterrupt), WorkerCheck("import time\ntime.sleep(600)") as worker:
         raise KeyboardInterrupt
@@ -480,3 +483,47 @@ def test_a_pp_size_sglang_refuses_is_one_line(command):
     assert proc.stderr.strip().endswith(
         "--tp 3 x --pp-size 1 = 3 ranks do not divide over --nnodes 2 (SGLang refuses it)"
     ), proc.stderr
+
+
+def test_a_second_doctor_reuses_the_plugin_checks_without_importing_sglang(tmp_path):
+    """doctor's launcher and TP-worker checks are what the installed code, the facts and the
+    environment decide: a second doctor with none of them changed reports the same, from the
+    cache, and imports no SGLang (``-X importtime`` lists every module imported); --recheck
+    and a changed variable check again."""
+    cache = tmp_path / "cache"
+    env = {
+        "SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie",
+        "SGLANG_SM120_CACHE_DIR": str(cache),
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+
+    command = [sys.executable, "-X", "importtime", "-m", "sglang_sm120.commands.cli", "doctor"]
+
+    def doctor(*args: str, extra: dict | None = None) -> tuple[dict, str]:
+        proc = subprocess.run(
+            [*command, "--json", "--tp", "8", "--model-arch", KIMI, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **env, **(extra or {})},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout), proc.stderr
+
+    def sglang_imported(stderr: str) -> bool:
+        return any(line.rsplit("|", 1)[-1].strip() == "sglang" for line in stderr.splitlines())
+
+    first, stderr = doctor()
+    assert sglang_imported(stderr) and first["plugin_check"]["reused"] is False
+    assert (cache / "doctor-plugin-check-v1.json").is_file()
+    second, stderr = doctor()
+    assert not sglang_imported(stderr) and second["plugin_check"] == {
+        "reused": True,
+        "checked_at": first["plugin_check"]["checked_at"],
+    }
+    del first["plugin_check"], second["plugin_check"]
+    assert second == first
+    rechecked, stderr = doctor("--recheck")
+    assert sglang_imported(stderr) and rechecked["plugin_check"]["reused"] is False
+    other, _ = doctor(extra={"SGLANG_SM120_DISABLE": "1"})  # decides what the patches do
+    assert other["plugin_check"]["reused"] is False and other["kill_switch"] is True

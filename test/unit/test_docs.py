@@ -134,15 +134,19 @@ def dict_keys(node: ast.AST) -> list[str]:
 
 
 def doctor_json_keys() -> list[str]:
-    """The top-level keys of `doctor --json`, read from commands/doctor.py: the `report` dict
-    in run() and the dict _plugin_state() returns (merged into it)."""
-    tree = ast.parse((ROOT / "python/sglang_sm120/commands/doctor.py").read_text())
-    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    """The top-level keys of `doctor --json`, read from the source: the `report` dict in
+    commands/doctor.py's run() and the dict plugin_check.plugin_state() returns (merged in)."""
+    commands = ROOT / "python/sglang_sm120/commands"
+
+    def functions(name: str) -> dict[str, ast.FunctionDef]:
+        tree = ast.parse((commands / name).read_text())
+        return {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+
     keys = []
-    for node in ast.walk(functions["run"]):
+    for node in ast.walk(functions("doctor.py")["run"]):
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "report":
             keys += dict_keys(node.value)
-    for node in ast.walk(functions["_plugin_state"]):
+    for node in ast.walk(functions("plugin_check.py")["plugin_state"]):
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Dict):
             keys += dict_keys(node.value)
     return keys

@@ -393,7 +393,7 @@ def test_the_scan_of_an_unchanged_library_is_read_from_the_cache(tmp_path, monke
     monkeypatch.setattr(kernel_images, "scan_library", lambda p: scanned.append(p) or real_scan(p))
 
     kernel_images.check_coverage((12, 0), [library])
-    assert not cache.exists()  # doctor creates no directory
+    assert not cache.exists()  # the scan creates no directory
     cache.mkdir()
     first = kernel_images.check_coverage((12, 0), [library])
     again = kernel_images.check_coverage((12, 0), [library])

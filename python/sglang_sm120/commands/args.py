@@ -5,6 +5,7 @@ flag choices."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 from typing import NoReturn
 
@@ -131,14 +132,13 @@ def compute_capability(text: str) -> tuple[int, int]:
 
 
 def require_sglang() -> None:
-    """Planning reads upstream's own tables, so sglang must import; say so in one line."""
-    try:
-        import sglang  # noqa: F401
-    except ImportError as exc:
+    """doctor reports on SGLang's processes, so sglang must be installed; say so in one line.
+    Found, not imported: a doctor whose checks are cached imports no SGLang at all."""
+    if importlib.util.find_spec("sglang") is None:
         raise UsageError(
-            f"sglang is not importable ({exc}); sglang-sm120 {__version__} needs "
+            f"sglang is not installed; sglang-sm120 {__version__} needs "
             f"sglang=={SGLANG_PIN} (pip install sglang=={SGLANG_PIN})"
-        ) from None
+        )
 
 
 def check_tp(facts: HostFacts, tp_size: int, nnodes: int) -> None:

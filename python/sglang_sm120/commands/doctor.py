@@ -5,152 +5,37 @@ contract, the plan and the kernel images' coverage."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import subprocess
 import sys
-import warnings
 from typing import Any
 
-from sglang_sm120 import strict_json
 from sglang_sm120.commands.allreduce_options import deployment_for, mscclpp_imports
 from sglang_sm120.commands.args import (
     add_deployment_args,
     check_tp,
     check_upstream_flags,
     compute_capability,
-    one_line,
     require_sglang,
 )
 from sglang_sm120.commands.plan import facts_lines, plan_for_args, plan_lines
+from sglang_sm120.commands.plugin_check import (
+    WorkerCheck,
+    cached_state,
+    check_key,
+    import_sglang,
+    keep_state,
+    patch_lines,
+    plugin_state,
+)
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import HostFindings, format_checks
 from sglang_sm120.planning.levers import allreduce_levers, lever_lines
 from sglang_sm120.planning.nccl_settings import nccl_warnings, warning_lines
 from sglang_sm120.planning.policy import VALIDATION_NOTE
+from sglang_sm120.planning.upstream import FUSION_ARCHS
 from sglang_sm120.version import SGLANG_PIN, __version__
-
-WORKER_TIMEOUT_S = 300
-
-
-WORKER_FAILED = "could not load the plugin as a TP worker would"
-# What a TP worker does before it loads plugins: SGLang's scheduler module imported first, so
-# the process is judged a TP worker, then load_plugins(); it prints what it really applied.
-WORKER_REPORT = (
-    "import json, warnings\n"
-    "warnings.filterwarnings('ignore', category=UserWarning, module=r'sglang(\\.|$)')\n"
-    "import sglang.srt.managers.scheduler\n"
-    "from sglang.srt.plugins import load_plugins\n"
-    "load_plugins()\n"
-    "from sglang_sm120.server.status import verify_applied\n"
-    "print('WORKER ' + json.dumps(verify_applied()))\n"
-)
-
-
-class WorkerCheck:
-    """The plugin loaded as a TP worker loads it, in a fresh interpreter started as doctor
-    begins, so it imports SGLang while this process does the launcher's part: a fresh process,
-    as SGLang spawns its schedulers (a fork of this one would carry the CUDA state SGLang's
-    import creates on a GPU machine). Always stopped and reaped, whatever happens here."""
-
-    def __init__(self, code: str = WORKER_REPORT) -> None:
-        self.code = code
-
-    def __enter__(self) -> WorkerCheck:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.code],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="backslashreplace",
-        )
-        return self
-
-    def statuses(self) -> dict[str, str]:
-        """The worker's report (each patch's status), or one ``(worker)`` line saying why not."""
-        try:
-            out, err = self.proc.communicate(timeout=WORKER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
-            return {"(worker)": f"{WORKER_FAILED}: no answer in {WORKER_TIMEOUT_S} s"}
-        lines = [line for line in out.splitlines() if line.startswith("WORKER ")]
-        try:
-            report = strict_json.loads(lines[-1].removeprefix("WORKER ")) if lines else None
-        except ValueError:
-            report = None
-        if isinstance(report, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in report.items()
-        ):
-            return report
-        tail = (err.strip().splitlines() or [f"exit status {self.proc.returncode}"])[-1]
-        return {"(worker)": f"{WORKER_FAILED}: {one_line(tail)}"}
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc.poll() is None:  # doctor stopped before it asked: no child outlives it
-            self.proc.kill()
-            self.proc.communicate()
-
-
-def _unvisited_status(module) -> str:
-    """A patch only processes doctor does not start use (an Engine process, the DP controller):
-    whether this host needs it, without claiming it was applied."""
-    from sglang_sm120.server.runtime import sm12x_capability
-    from sglang_sm120.server.status import ROLE_NAMES
-
-    reason = module.not_needed(sm12x_capability())
-    if reason is not None:
-        return f"not needed ({reason})"
-    names = " and ".join(ROLE_NAMES[role] for role in module.ROLES)
-    return f"needed in the {names} (doctor starts no such process)"
-
-
-def _plugin_state(worker: WorkerCheck) -> dict[str, Any]:
-    """Load plugins exactly as an SGLang launcher does, then take what the TP worker process
-    reported, and report what each really applied (every hook looked up in its target's
-    applied chain)."""
-    from importlib.metadata import entry_points
-
-    from sglang.srt.plugins import load_plugins
-
-    from sglang_sm120.server.contract import check
-    from sglang_sm120.server.patches import PATCHES, patch_name
-    from sglang_sm120.server.plugin import declared_contract
-    from sglang_sm120.server.status import verify_applied
-
-    discovered = any(
-        ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
-    )
-    load_plugins()
-    by_process = {"launcher": verify_applied(), "TP worker": worker.statuses()}
-    if not by_process["launcher"]:
-        unloaded = "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"
-        by_process["launcher"] = {"(none)": unloaded}
-    patches = {}
-    for module in PATCHES:  # each patch as the process that uses it reports it
-        name = patch_name(module)
-        seen = [statuses[name] for statuses in by_process.values() if name in statuses]
-        used = [status for status in seen if not status.startswith("not used in the")]
-        if not used and seen and not set(module.ROLES) & {"launcher", "scheduler"}:
-            used = [_unvisited_status(module)]
-        patches[name] = (used or seen or ["plugin not loaded"])[0]
-    return {
-        "entry_point_discovered": discovered,
-        "patches": patches,
-        "patches_by_process": by_process,
-        "contract_problems": check(declared_contract(PATCHES)),
-    }
-
-
-def patch_lines(state: dict[str, Any]) -> list[str]:
-    """Each patch's status, and a line for a process whose check could not run (its patches
-    would otherwise read "not used in the launcher" and look fine)."""
-    lines = ["patches:"]
-    lines += [f"  {name:<22} {status}" for name, status in state["patches"].items()]
-    for process, statuses in state["patches_by_process"].items():
-        lines += [f"  {process}: {why}" for key, why in statuses.items() if key.startswith("(")]
-    return lines
 
 
 def _kernel_coverage(capability: tuple[int, int] | None) -> dict[str, Any]:
@@ -210,15 +95,6 @@ def describe_source(facts: HostFacts) -> str:
     return f"{gpus} ({facts.source})"
 
 
-def import_sglang() -> None:
-    """SGLang's launcher-side modules, in this process (the worker check imports its own). The
-    UserWarnings SGLang raises while importing on a machine without a GPU (AWQ, GGUF, Triton)
-    are about upstream's import, not this machine: not shown."""
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang(\.|$)")
-    import sglang.srt.arg_groups.overrides
-    import sglang.srt.plugins  # noqa: F401
-
-
 def _variable_lines(rows: list[dict[str, str]]) -> list[str]:
     """The variables section: each one set, its value, accepted or refused, what is used."""
     if not rows:
@@ -233,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
     from sglang_sm120.server.env_report import variables_report
     from sglang_sm120.server.runtime import (
         findings_describe,
-        fusion_archs,
         host_findings,
         plugin_disabled,
         validation_mode,
@@ -246,18 +121,28 @@ def run(args: argparse.Namespace) -> int:
         check_tp(facts, tp_size, args.nnodes)
     require_sglang()
     check_upstream_flags(args)  # bad input is still one line, before any progress line
-    progress(f"{describe_source(facts)}; loading SGLang, as the launcher and a TP worker ...")
-    with WorkerCheck() as worker:
-        import_sglang()
+    key = check_key(facts)
+    reused = None if args.recheck else cached_state(key)
+    if reused is None:
+        progress(f"{describe_source(facts)}; loading SGLang, as the launcher and a TP worker ...")
+    else:
+        progress(f"{describe_source(facts)}; patch checks reused (checked {reused[1]}) ...")
+    with WorkerCheck() if reused is None else contextlib.nullcontext() as worker:
+        if worker is not None:
+            import_sglang()
         findings = host_findings(
             facts, tp_size, args.hidden, tuple(range(min(tp_size, len(facts.gpus)))) or None
         )
         host = findings if findings_describe(facts) else None
-        plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host)
+        plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host, archs=FUSION_ARCHS)
         deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
-        levers = allreduce_levers(facts, deployment, plan, fusion_archs(), mscclpp_imports())
+        levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp_imports())
         nccl = nccl_warnings(os.environ, facts, deployment, plan)
-        state = _plugin_state(worker)
+        if worker is not None:
+            state = plugin_state(worker)
+            checked = keep_state(key, state)
+        else:
+            state, checked = reused
     progress("reading the kernel images ...")
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
     coverage = _kernel_coverage(capability)
@@ -271,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         "allreduce_options": [lever.to_json() for lever in levers],
         "nccl_warnings": [warning.to_json() for warning in nccl],
         **state,
+        "plugin_check": {"reused": reused is not None, "checked_at": checked},
         "kill_switch": plugin_disabled(),
         "validation_mode": validation_mode(),
         "variables": variables,
@@ -298,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
         f"{'discovered' if state['entry_point_discovered'] else 'NOT discovered'}"
     )
     lines += patch_lines(state)
+    if reused is not None:
+        lines.append(
+            f"  (checked {checked} in a launcher and a TP worker; nothing that decides them has "
+            "changed since; `doctor --recheck` checks again)"
+        )
     problems = state["contract_problems"]
     lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
     lines += [f"  - {p}" for p in problems]
@@ -328,5 +219,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--capability",
         type=compute_capability,
         help="check kernel images for this compute capability, e.g. 12.0",
+    )
+    parser.add_argument(
+        "--recheck",
+        action="store_true",
+        help="load the plugin as the launcher and a TP worker again, even where nothing that "
+        "decides what they apply has changed since the last check",
     )
     parser.set_defaults(func=run)

@@ -18,6 +18,8 @@ Environment knobs of the e2e test suite (all optional):
 - ``SGLANG_SM120_E2E_REAL_TP``: TP sizes for the real pair (default: the largest one available).
 - ``SGLANG_SM120_E2E_REAL_TREE``: steps,topk,draft tokens for the real pair (default 3,1,4).
 - ``SGLANG_SM120_E2E_STARTUP_S``: server start-up timeout (default 900; selftest reads it too).
+- ``SGLANG_SM120_E2E_PARALLEL``: how many tiny-pair servers of one TP size the suite starts at
+  the same time, each with a capped KV pool (default 4; 1: one after the other).
 - ``SGLANG_SM120_E2E_LOG_DIR``: keep server logs there (CI uploads them); default a tmp dir.
 - ``SGLANG_SM120_E2E_SERVER_ARGS``: extra arguments for every server, split as a shell would
   (e.g. ``--attention-backend triton`` where FA3 is missing); selftest's ``--server-arg``.
@@ -452,10 +454,13 @@ class ServerRuns:
                 self.results[launch] = self._run(launch)
             return self.results[launch]
 
-    def start(self, launches: Sequence[Launch], at_once: bool) -> ServerBatch:
-        """Run ``launches`` in the background, all at the same time or one after the other;
-        use it as ``with runs.start(...) as batch: ...; batch.results()``."""
-        return ServerBatch(self, launches, at_once)
+    def start(
+        self, launches: Sequence[Launch], at_once: bool, at_most: int | None = None
+    ) -> ServerBatch:
+        """Run ``launches`` in the background, at the same time (``at_most`` of them at a time,
+        default all) or one after the other; use it as ``with runs.start(...) as batch: ...;
+        batch.results()``."""
+        return ServerBatch(self, launches, at_once, at_most)
 
     def stop_all(self) -> None:
         """Stop every running server now and start no new one (until ``stopping`` is cleared):
@@ -583,19 +588,27 @@ class ServerRuns:
 
 
 class ServerBatch:
-    """Launches running in background threads: one thread each (at the same time), or one
-    thread running them in order. Each server is a subprocess in its own process group, so a
-    thread only waits on it. Signals reach the main thread alone: leaving the ``with`` block by
-    any exception (a signal's included) stops every server of ``runs`` before it propagates."""
+    """Launches running in background threads: one thread each (at the same time), ``at_most``
+    threads each running its share in order, or one thread running them all in order. Each
+    server is a subprocess in its own process group, so a thread only waits on it. Signals
+    reach the main thread alone: leaving the ``with`` block by any exception (a signal's
+    included) stops every server of ``runs`` before it propagates."""
 
     JOIN_S = 180.0  # a server stopped by stop_all leaves its thread within seconds
 
-    def __init__(self, runs: ServerRuns, launches: Sequence[Launch], at_once: bool) -> None:
+    def __init__(
+        self,
+        runs: ServerRuns,
+        launches: Sequence[Launch],
+        at_once: bool,
+        at_most: int | None = None,
+    ) -> None:
         self.runs = runs
         self.launches = tuple(launches)
         self.outcomes: dict[int, RunResult | BaseException] = {}
-        indices = list(range(len(self.launches)))
-        groups = [[i] for i in indices] if at_once else [indices]
+        threads = (at_most or len(self.launches)) if at_once else 1
+        threads = max(1, min(threads, len(self.launches)))
+        groups = [list(range(first, len(self.launches), threads)) for first in range(threads)]
         self.threads = [
             threading.Thread(target=self._run, args=(group,), daemon=True) for group in groups
         ]

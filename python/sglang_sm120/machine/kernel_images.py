@@ -608,8 +608,8 @@ def check_coverage(
 class ScanCache:
     """Scans of library files kept in the cache directory, keyed by (path, size, mtime): the
     same file is not read again (sglang-kernel alone is ~370 MB of libraries). Written only
-    into a cache directory that exists (``tune`` and ``p2p`` create it; doctor creates
-    nothing); a cache that cannot be read or written only costs the scan."""
+    into a cache directory that exists (``tune``, ``p2p`` and doctor's
+    plugin check create it); a cache that cannot be read or written only costs the scan."""
 
     VERSION = 1
     MAX_BYTES = 4 << 20
