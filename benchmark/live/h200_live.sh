@@ -11,6 +11,8 @@
 # each writing its JSON and logs to OUT and printing its time:
 #   setup     unpack /tmp/parts into /tmp/site, install both wheels there, print versions
 #   inspect   doctor (text and --json, with and without validation mode), p2p, warmup
+#   doctor    doctor text and --json with and without validation mode (its checks reused
+#             after the first of each), and `tune --tp 2` on one GPU (what it could not measure)
 #   gpu       the test/gpu suite (the kernel library required), its summary in gpu-tests.txt
 #   bench     benchmark/bench_cli.py: plan, a refused flag, doctor timed in fresh processes
 #   selftest  FIXTURE ANY_ARCH [EXTRA...]: one selftest --tp 1 (ANY_ARCH 1 or 0)
@@ -44,6 +46,18 @@ inspect)
   took "p2p"
   timeout 420 sglang-sm120 warmup > "$OUT/warmup.txt" 2>&1; echo "warmup exit status $?" >> "$OUT/warmup.txt"
   took "warmup"
+  ;;
+doctor)
+  for any in 0 1; do
+    for form in text json; do
+      flag=$([ $form = json ] && echo --json)
+      SGLANG_SM120_ANY_ARCH=$any sglang-sm120 doctor $flag > "$OUT/doctor-anyarch$any.$form" 2> "$OUT/doctor-anyarch$any-$form.err"
+      took "doctor ANY_ARCH=$any $form"
+    done
+  done
+  SGLANG_SM120_ANY_ARCH=1 sglang-sm120 tune --tp 2 --tokens 1 8 64 > "$OUT/tune-tp2-one-gpu.txt" 2>&1
+  echo "tune exit status $?" >> "$OUT/tune-tp2-one-gpu.txt"
+  took "tune --tp 2 on one GPU"
   ;;
 gpu)
   SGLANG_SM120_KERNEL_REQUIRED=1 python3 -m pytest -q -p no:cacheprovider test/gpu -rfE \

@@ -120,17 +120,6 @@ class HostCheck:
         data["gpus"] = list(self.gpus)
         return data
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> HostCheck:
-        return cls(
-            name=str(data["name"]),
-            status=str(data["status"]),
-            detail=str(data["detail"]),
-            fix=str(data.get("fix", "")),
-            evidence=str(data.get("evidence", "")),
-            matrix=tuple(tuple(str(c) for c in row) for row in data.get("matrix", ())),
-        )
-
 
 @dataclass(frozen=True)
 class P2PSummary:
