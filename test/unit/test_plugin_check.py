@@ -73,3 +73,20 @@ def test_a_damaged_cache_is_a_miss_not_an_error(tmp_path, monkeypatch):
         assert plugin_check.cached_state("k") is None
     path.write_text('{"version": 1, "entries": {"k": {"checked_at": "t", "state": {"a": 1}}}}')
     assert plugin_check.cached_state("k") is None  # not the four keys doctor merges in
+
+
+def test_an_install_changes_the_key_and_a_file_written_in_the_working_directory_does_not(
+    tmp_path, monkeypatch
+):
+    """Under ``python -m`` the working directory is on the path: a file a user writes there
+    does not make doctor check again; a package installed into a directory on the path does."""
+    site, here = tmp_path / "site", tmp_path / "here"
+    site.mkdir(), here.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(here))
+    monkeypatch.chdir(here)
+    key = plugin_check.check_key(FACTS, ENV)
+    (here / "notes.txt").write_text("x")
+    assert plugin_check.check_key(FACTS, ENV) == key
+    (site / "other_plugin-1.0.dist-info").mkdir()
+    assert plugin_check.check_key(FACTS, ENV) != key

@@ -212,13 +212,17 @@ def _source_stamp(package: str) -> str:
 
 
 def _path_stamps() -> list[list[Any]]:
-    stamps = []
+    """Each directory on sys.path with its mtime, which an install or a removal changes. The
+    working directory (on the path under ``python -m``) is named without one: any file a user
+    writes there changes it."""
+    stamps: list[list[Any]] = []
+    here = os.getcwd()
     for entry in sys.path:
         path = os.path.abspath(entry or os.curdir)
         try:
-            stamps.append([path, os.stat(path).st_mtime_ns])
+            stamps.append([path, None if path == here else os.stat(path).st_mtime_ns])
         except OSError:
-            stamps.append([path, None])
+            stamps.append([path, "absent"])
     return stamps
 
 
