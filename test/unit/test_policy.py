@@ -1201,8 +1201,9 @@ def test_torch_symm_mem_takes_what_nccl_would_serve_where_custom_ar_is_off():
     plan = plan_allreduce(H200, d, ARCHS)
     assert plan.upstream_switches == ("enable_torch_symm_mem",)
     assert set(dict(plan.routes).values()) == {"torch_symm_mem"}
+    # Deterministic inference turns fusion off, and with it the table: no switch.
     deterministic = plan_allreduce(H200, dataclasses.replace(d, deterministic=True), ARCHS)
-    assert deterministic.upstream_switches == ()
+    assert deterministic.upstream_switches == () and not deterministic.routes
 
 
 def test_a_plan_with_upstream_switches_round_trips_and_a_foreign_switch_is_refused():
@@ -1216,3 +1217,19 @@ def test_a_plan_with_upstream_switches_round_trips_and_a_foreign_switch_is_refus
         AllReducePlan.from_json(data)
     older = {k: v for k, v in plan.to_json().items() if k != "upstream_switches"}
     assert AllReducePlan.from_json(older).upstream_switches == ()
+
+
+def test_under_trtllm_a_faster_custom_all_reduce_is_named_not_routed():
+    """The sm120_pcie_backend patch declines trtllm points to PCIe-IPC only: a size where the
+    timed custom all-reduce was fastest stays on trtllm, and the plan says why."""
+    rows = []
+    for tokens, trtllm, ca in ((1, 5.0, 9.0), (16, 6.0, 9.0), (64, 20.0, 8.0)):
+        rows += [("trtllm", tokens, trtllm, ""), ("custom_ar", tokens, ca, "")]
+        rows.append(("pcie_ipc", tokens, 30.0, ""))
+    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=cells(rows)), ARCHS)
+    assert plan.fusion_backend == "trtllm"
+    assert set(dict(plan.routes).values()) == {"trtllm"}
+    assert any(
+        r.startswith("custom_ar fastest at [64] tokens (a trtllm point is declined to PCIe-IPC")
+        for r in plan.reasons
+    ), plan.reasons

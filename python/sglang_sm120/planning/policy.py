@@ -781,12 +781,11 @@ def _sizes_by_backend(routes: dict[int, str]) -> str:
 
 def _extras_blocker(d: Deployment, extra: str) -> str | None:
     """Why the plan does not turn on upstream's ``extra`` communicator for this launch, or
-    None. Only where nothing the user set says otherwise: deterministic inference (upstream
-    turns torch symmetric memory off for it; both pick kernels per size), NCCL symmetric
-    memory (--enable-symm-mem sends every plain all-reduce to NCCL first), and for MSCCL++
-    an explicit SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 (MSCCL++ would take PCIe-IPC's sizes)."""
-    if d.deterministic:
-        return "deterministic inference"
+    None: only where nothing the user set says otherwise. NCCL symmetric memory
+    (--enable-symm-mem) sends every plain all-reduce to NCCL first; an explicit
+    SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 asks for the sizes MSCCL++ would take. (Deterministic
+    inference and --use-ray never reach a table plan: fusion is off there, and the default
+    rules apply.)"""
     if d.enable_symm_mem:
         return "--enable-symm-mem sends plain all-reduces to NCCL first"
     if extra == "mscclpp" and d.pcie_ipc_env:
@@ -938,6 +937,8 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             why = "a declined trtllm point would run trtllm's own all-reduce"
         elif fusion == "trtllm" and not kernel_usable:
             why = "sgl-kernel-sm120 cannot run here: nothing declines a trtllm point"
+        elif fusion == "trtllm" and backend in UPSTREAM_BACKENDS:
+            why = "a trtllm point is declined to PCIe-IPC only (patch sm120_pcie_backend)"
         elif backend in ("pcie_ipc", "nccl") and taker_of(sizes[0]) in (None, "pcie_ipc", "nccl"):
             why = "a server has one path for declined points, here " + (
                 "PCIe-IPC" if "pcie_ipc" in chosen_order else "NCCL"

@@ -9,7 +9,7 @@ How: BEFORE hooks on ``parallel_state.set_mscclpp`` and ``set_torch_symm_mem_all
     which ``bootstrap._set_all_reduce_flags`` calls in each scheduler with the user's value
     before the model-parallel groups are built. Where the user left it off and the launcher's
     plan switched it on, the call gets ``enable=True``. The plan already declined a switch where
-    what the user set says otherwise (``policy._extras_blocker``: deterministic inference,
+    what the user set says otherwise (``policy._extras_blocker``:
     ``--enable-symm-mem``, an explicit ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1`` for MSCCL++). A
     communicator that cannot build (``mscclpp`` gone since the table) is upstream's own
     warning and fallback to NCCL.
