@@ -960,8 +960,9 @@ def test_fusion_is_not_turned_off_by_noise():
 )
 def test_at_tp2_with_custom_all_reduce_no_size_is_declined_to_an_untimed_path(tuning):
     """At TP2 upstream's custom all-reduce v1 takes a declined point (and every plain
-    all-reduce of an unfused server) before PCIe-IPC or NCCL, and tune does not time it: the
-    plan keeps each size on a fusion backend, and says why."""
+    all-reduce of an unfused server) before PCIe-IPC or NCCL, and these tables (written before
+    tune timed it) have no custom_ar cell: the plan keeps each size on a fusion backend, and
+    says why."""
     plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=tuning), ARCHS)
     assert plan.fusion_backend in ("trtllm", "sm120_pcie")
     assert not {"pcie_ipc", "nccl"} & set(dict(plan.routes).values()), plan.routes

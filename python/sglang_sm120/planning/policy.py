@@ -41,6 +41,7 @@ Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -759,6 +760,7 @@ def _servable_at(
     run trtllm's own all-reduce, and the sm120_pcie_backend patch declines trtllm points to
     PCIe-IPC only (it needs sgl-kernel-sm120: ``HostFacts.sm120_kernel_problem``)."""
 
+    @functools.cache  # winners asks once per cell: a table of every size has ~16k
     def at(tokens: int) -> frozenset[str]:
         backends = {fusion} if fusion is not None else set()
         taker = _taker(cells, order, tokens)
