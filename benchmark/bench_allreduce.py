@@ -12,6 +12,10 @@ For each world size and tokens in {1, 2, ..., 2048} x hidden (default 7168), bf1
   fi pcie-ipc      FlashInfer PcieIpcAllReduceWorkspace.all_reduce (plain), after its own
                    tune([hidden]) on this host
   fi pcie + norm   the same + the separate add+RMSNorm kernel
+  CA / MSCCL++ / torch symm + norm  upstream's custom all-reduce, MSCCL++ and torch symmetric
+                   memory communicators (as `sglang-sm120 tune` builds them, where doctor says they
+                   can run; otherwise the reason) + the same add+RMSNorm kernel; a size one of
+                   them does not take is n/a with its reason
 Ratios: ours AR / FI PCIe-IPC, and ours fused / the best of FI trtllm fused, FI PCIe-IPC + norm
 and NCCL + norm (the issue-9 goals: <= 1.0x and <= 0.9x at 1-16 tokens), and
 ours AR+norm / ours fused (>= 1.0x: the fusion never loses).
@@ -60,10 +64,12 @@ if importlib.util.find_spec("sglang_sm120") is None:  # plugin not installed: us
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from sglang_sm120.commands.tune import TOKENS as TUNE_TOKENS
 from sglang_sm120.commands.tune import (
+    Declines,
     flashinfer_pcie_ipc,
     flashinfer_trtllm_fused,
     make_add_rmsnorm,
     time_local,
+    upstream_backends,
 )
 from sglang_sm120.commands.tune import time_graph as time_graph_in_step
 
@@ -78,7 +84,16 @@ COLUMNS = [
     "fi_trtllm_fused",
     "fi_pcie",
     "fi_pcie_norm",
+    "custom_ar_norm",
+    "mscclpp_norm",
+    "torch_symm_mem_norm",
 ]
+# tune's name of each upstream communicator -> its column here
+UPSTREAM_COLUMNS = {
+    "custom_ar": "custom_ar_norm",
+    "mscclpp": "mscclpp_norm",
+    "torch_symm_mem": "torch_symm_mem_norm",
+}
 HEADERS = {
     "ours_plain": "ours AR",
     "ours_fused": "ours fused",
@@ -88,9 +103,19 @@ HEADERS = {
     "fi_trtllm_fused": "FI trtllm fused",
     "fi_pcie": "FI pcie AR",
     "fi_pcie_norm": "FI pcie AR+norm",
+    "custom_ar_norm": "CA+norm",
+    "mscclpp_norm": "MSCCL++ +norm",
+    "torch_symm_mem_norm": "torch symm+norm",
 }
 # What "ours fused" is compared with: every other way to get all-reduce + residual + RMSNorm.
-FUSED_RIVALS = ("fi_trtllm_fused", "fi_pcie_norm", "nccl_norm")
+FUSED_RIVALS = (
+    "fi_trtllm_fused",
+    "fi_pcie_norm",
+    "nccl_norm",
+    "custom_ar_norm",
+    "mscclpp_norm",
+    "torch_symm_mem_norm",
+)
 
 
 # --------------------------------------------------------------------- ranks on one GPU
@@ -135,6 +160,7 @@ def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> d
                 "fi_trtllm_fused": None,
                 "fi_pcie": None,
                 "fi_pcie_norm": None,
+                **dict.fromkeys(UPSTREAM_COLUMNS.values()),
             }
             rows.append(row)
             print(f"  world {world_size} tokens {tokens:5d}: {_fmt_row(row)}", flush=True)
@@ -150,6 +176,7 @@ def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> d
             "fi_trtllm_fused": f"n/a (needs {world_size} GPUs)",
             "fi_pcie": f"n/a (needs {world_size} GPUs)",
             "fi_pcie_norm": f"n/a (needs {world_size} GPUs)",
+            **dict.fromkeys(UPSTREAM_COLUMNS.values(), f"n/a (needs {world_size} GPUs)"),
         },
         "rows": rows,
     }
@@ -174,19 +201,41 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
     skipped: dict[str, str] = {}
     notes: list[str] = []
     fi_fused = fi_pcie = None
+    upstream: dict[str, Callable] = {}
     if args.skip_baselines:
         for name in ("nccl_norm", "fi_trtllm_fused", "fi_pcie", "fi_pcie_norm"):
+            skipped[name] = "not measured (--skip-baselines)"
+        for name in UPSTREAM_COLUMNS.values():
             skipped[name] = "not measured (--skip-baselines)"
     else:
         fi_fused, fi_pcie = _flashinfer_baselines(
             rank, args, max_tokens, hidden, gloo, skipped, notes
         )
+        refused: dict[str, str] = {}
+        upstream = upstream_backends(gloo, torch.device("cuda", rank), add_rmsnorm, refused)
+        skipped.update({UPSTREAM_COLUMNS[name]: why for name, why in refused.items()})
     stream = torch.cuda.Stream()
 
-    def time_graph(body: Callable[[], None]) -> float:
-        us = time_graph_in_step(body, stream, args.calls, args.replays, gloo)
+    def time_graph(body: Callable[[], None], capture: Callable | None = None) -> float:
+        us = time_graph_in_step(body, stream, args.calls, args.replays, gloo, capture)
         ws.check_error()
         return us
+
+    def time_upstream(name: str, x, residual, weight) -> float | None:
+        """One of upstream's communicators + norm; None (and why) where it does not take
+        this size or fails."""
+        fn = upstream.get(name)
+        if fn is None:
+            return None
+        try:
+            return time_graph(lambda: fn(x, residual, weight), getattr(fn, "capture", None))
+        except Declines as exc:
+            notes.append(
+                f"{HEADERS[UPSTREAM_COLUMNS[name]]} at {x.shape[0]} tokens: declines {exc}"
+            )
+        except Exception as exc:  # a baseline failing must not hide our numbers
+            skipped[UPSTREAM_COLUMNS[name]] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        return None
 
     rows = []
     try:
@@ -237,6 +286,10 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
                     "fi_pcie_norm",
                     skipped,
                 ),
+                **{
+                    column: time_upstream(name, x, residual, weight)
+                    for name, column in UPSTREAM_COLUMNS.items()
+                },
             }
             rows.append(row)
             if rank == 0:

@@ -20,7 +20,7 @@ def test_tune_writes_a_checked_table(tp, tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
     from sglang_sm120.commands.tune import TuneSettings, format_table, run_tune
     from sglang_sm120.machine.facts import current_facts
-    from sglang_sm120.planning.tuning import load_table, winners
+    from sglang_sm120.planning.tuning import BACKENDS, load_table, winners
 
     settings = TuneSettings(tp=tp, hidden=2048, tokens=(1, 8, 64, 512), calls=5, replays=3)
     table, path = run_tune(settings)
@@ -29,13 +29,7 @@ def test_tune_writes_a_checked_table(tp, tmp_path, monkeypatch):
     ours = [m for m in table.measurements if m.backend == "sm120_pcie"]
     assert [m.tokens for m in ours] == [1, 8, 64, 512]
     assert all(m.correct and m.us is not None and m.us > 0 for m in ours), ours
-    assert set(winners(table, prefer=None).values()) <= {
-        "sm120_pcie",
-        "sm120_pcie_unfused",
-        "nccl",
-        "pcie_ipc",
-        "trtllm",
-    }
+    assert set(winners(table, prefer=None).values()) <= set(BACKENDS)
     loaded, note = load_table(current_facts(), tp, 2048, "bfloat16")
     if table.ranks_share_gpu:
         assert loaded is None and "sharing one GPU" in note

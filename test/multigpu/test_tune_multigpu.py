@@ -1,5 +1,6 @@
 """``tune`` with one process per GPU: every backend this host has (NCCL + norm always, FlashInfer
-trtllm and PCIe-IPC where flashinfer imports, sm120_pcie where sgl-kernel-sm120 does) is checked
+trtllm and PCIe-IPC where flashinfer imports, sm120_pcie where sgl-kernel-sm120 does, upstream's
+custom all-reduce / MSCCL++ / torch symmetric memory where doctor says they can run) is checked
 against the float32 reference over the real interconnect, and the table is one the plan uses.
 
 Needs as many GPUs as ranks; skipped with the reason elsewhere (the single-GPU version with
@@ -19,9 +20,9 @@ def test_every_backend_is_correct_over_the_interconnect(tp, tmp_path, monkeypatc
     if GPUS < tp:
         pytest.skip(f"needs {tp} GPUs, {GPUS} visible")
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
-    from sglang_sm120.commands.tune import TuneSettings, format_table, run_tune
+    from sglang_sm120.commands.tune import TuneSettings, format_table, run_tune, upstream_refusals
     from sglang_sm120.machine.facts import current_facts
-    from sglang_sm120.planning.tuning import load_table
+    from sglang_sm120.planning.tuning import UPSTREAM_BACKENDS, load_table
 
     table, _ = run_tune(TuneSettings(tp=tp, tokens=(1, 4, 16, 64, 256), calls=5, replays=3))
     print(format_table(table))
@@ -31,3 +32,11 @@ def test_every_backend_is_correct_over_the_interconnect(tp, tmp_path, monkeypatc
     wrong = [m for m in measured if not m.correct]
     assert not wrong, wrong
     assert load_table(current_facts(), tp, 7168, "bfloat16")[0] == table
+    refused = upstream_refusals(tp)
+    for backend in UPSTREAM_BACKENDS:  # measured where doctor says it runs, else the reason
+        cells = [m for m in table.measurements if m.backend == backend]
+        said = [n for n in table.notes if n.startswith(f"{backend}: ")]
+        if backend in refused:
+            assert not cells and said == [f"{backend}: {refused[backend]}"], (cells, said)
+        else:
+            assert cells or (said and said[0].startswith(f"{backend}: unavailable")), said

@@ -119,6 +119,14 @@ def worker(model_dir: str, tp: int) -> dict:
             flag = published["flashinfer_allreduce_fusion_backend"] is not None
             parallel_state.set_flashinfer_allreduce_only(flag)
             result["flashinfer_allreduce_only"] = parallel_state._ENABLE_FLASHINFER_ALLREDUCE_ONLY
+            # Upstream's own caller, with the published enable_mscclpp / enable_torch_symm_mem.
+            from sglang.srt.distributed import bootstrap
+
+            bootstrap._set_all_reduce_flags()
+            result["upstream_switches"] = {
+                "enable_mscclpp": parallel_state._ENABLE_MSCCLPP,
+                "enable_torch_symm_mem": parallel_state._ENABLE_TORCH_SYMM_MEM_ALL_REDUCE,
+            }
             # Upstream's own caller: the published backend, and nnodes > 1 as is_multi_node.
             try:
                 resolved = flashinfer_comm_fusion.resolve_flashinfer_allreduce_fusion_backend()

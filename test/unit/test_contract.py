@@ -296,3 +296,22 @@ def test_every_all_reduce_switch_levers_judge_is_an_sglang_flag():
     for row in allreduce_levers(facts, d, plan, FUSION_ARCHS, None):
         if row.switch.startswith("--"):
             assert row.switch in parser._option_string_actions, row.switch
+
+
+def test_the_switches_a_tuning_table_turns_on_are_sglang_flags_no_resolution_pass_may_set():
+    """The plan names each switch by flag and ServerArgs field; the field is not one SGLang's
+    resolution passes may declare, which is why patch upstream_switches applies it in the
+    worker (at bootstrap's set_mscclpp / set_torch_symm_mem_all_reduce) instead."""
+    import argparse
+
+    from sglang.srt.arg_groups.arg_utils import resolvable_fields
+    from sglang.srt.server_args import ServerArgs
+    from sglang_sm120.planning.policy import UPSTREAM_SWITCH_FIELDS, UPSTREAM_SWITCH_FLAGS
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    assert UPSTREAM_SWITCH_FIELDS.keys() == UPSTREAM_SWITCH_FLAGS.keys()
+    for backend, flag in UPSTREAM_SWITCH_FLAGS.items():
+        field = UPSTREAM_SWITCH_FIELDS[backend]
+        assert parser._option_string_actions[flag].dest == field
+        assert field not in resolvable_fields(ServerArgs)

@@ -147,3 +147,19 @@ def test_a_tp_group_spanning_nodes_gets_no_custom_all_reduce():
     plan = plan_allreduce(facts, d, FUSION_ARCHS)
     row = allreduce_levers(facts, d, plan, FUSION_ARCHS, None)[0]
     assert row.can_run is False and "spans nodes" in row.why
+
+
+def test_mscclpp_the_tuning_table_turned_on_reads_used_with_the_plans_reason():
+    """Where tune measured MSCCL++ clearly faster at the sizes SGLang all-reduces, doctor's row
+    says the plan uses it and why (the plan's own reason), not 'the plan leaves it off'."""
+    from sglang_sm120.planning.tuning import Measurement, TuningTable
+
+    rows = [Measurement("mscclpp", t, 5.0, True) for t in (4, 64)]
+    rows += [Measurement(b, t, 50.0, True) for b in ("nccl", "pcie_ipc") for t in (4, 64)]
+    table = TuningTable({}, 8, 7168, "bfloat16", tuple(rows))
+    row = levers(PCIE, 8, mscclpp=True, tuning=table)["--enable-mscclpp"]
+    assert (row.can_run, row.used) == (True, True)
+    assert "--enable-mscclpp on from the tuning table" in row.why
+    untuned = levers(PCIE, 8, mscclpp=True)["--enable-mscclpp"]
+    assert (untuned.used, "the plan leaves it off" in untuned.why) == (False, True)
+    assert "`sglang-sm120 tune` times it here" in untuned.if_set

@@ -108,6 +108,7 @@ def rehearse(
             "flashinfer_allreduce_only",
             "worker_plan",
             "resolve_published",
+            "upstream_switches",
         ):
             result.setdefault(key, {})[str(tp)] = answers[key]
         for key in ("patches", "resolve", "chains", "add_norm_sm90_constant"):
@@ -632,3 +633,42 @@ def test_auto_flag_follows_the_tuning_table(model_dirs, tmp_path):
     assert launched["fusion_backend"]["8"] == "trtllm"
     reasons = json.loads(launched["launch_plan"]["8"])["plan"]["reasons"]
     assert any("fusion trtllm from the tuning table" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(
+    ("server_args", "turned_on"),
+    [({}, True), ({"enable_symm_mem": True}, False)],
+    ids=["table wins", "user chose NCCL symmetric memory"],
+)
+def test_a_tuning_table_where_mscclpp_wins_turns_mscclpp_on_in_the_worker_unless_the_user_chose(
+    model_dirs, tmp_path, server_args, turned_on
+):
+    """Launcher and worker against the real sglang: the launcher's plan lists the switch, and
+    in the worker upstream's own ``bootstrap._set_all_reduce_flags`` (which reads the user's
+    ``enable_mscclpp``, off) leaves MSCCL++ on for the groups it builds. ``--enable-symm-mem``
+    sends plain all-reduces to NCCL first: then the plan switches nothing on."""
+    from sglang_sm120.machine.cache import host_fingerprint
+    from sglang_sm120.machine.facts import load_profile
+    from sglang_sm120.planning.tuning import Measurement, TuningTable, save_table
+
+    rows = [Measurement("mscclpp", t, 5.0, True) for t in (4, 64)]
+    rows += [Measurement(b, t, 50.0, True) for b in ("nccl", "pcie_ipc") for t in (4, 64)]
+    fingerprint = host_fingerprint(load_profile("rtx-pro-6000-x8-pcie"), 8)
+    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
+    try:
+        save_table(TuningTable(fingerprint, 8, 7168, "bfloat16", tuple(rows)))
+    finally:
+        del os.environ["SGLANG_SM120_CACHE_DIR"]
+    result = run_scenario(
+        model_dirs["KimiK25ForConditionalGeneration"],
+        8,
+        server_args=server_args,
+        env={"SGLANG_SM120_CACHE_DIR": str(tmp_path)},
+    )
+    plan = json.loads(result["launch_plan"]["8"])["plan"]
+    assert plan["upstream_switches"] == (["enable_mscclpp"] if turned_on else [])
+    assert result["upstream_switches"]["8"] == {
+        "enable_mscclpp": turned_on,
+        "enable_torch_symm_mem": False,
+    }
+    assert result["patches"]["upstream_switches"] == "applied"

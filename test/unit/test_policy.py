@@ -960,8 +960,9 @@ def test_fusion_is_not_turned_off_by_noise():
 )
 def test_at_tp2_with_custom_all_reduce_no_size_is_declined_to_an_untimed_path(tuning):
     """At TP2 upstream's custom all-reduce v1 takes a declined point (and every plain
-    all-reduce of an unfused server) before PCIe-IPC or NCCL, and tune does not time it: the
-    plan keeps each size on a fusion backend, and says why."""
+    all-reduce of an unfused server) before PCIe-IPC or NCCL, and these tables (written before
+    tune timed it) have no custom_ar cell: the plan keeps each size on a fusion backend, and
+    says why."""
     plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=tuning), ARCHS)
     assert plan.fusion_backend in ("trtllm", "sm120_pcie")
     assert not {"pcie_ipc", "nccl"} & set(dict(plan.routes).values()), plan.routes
@@ -1093,3 +1094,143 @@ def test_the_layer_stack_plan_fuses_where_its_table_and_world_size_say(world_siz
     plan = sm120_pcie_plan(world_size, 2048)
     fused = {tokens: plan.uses_sm120_pcie_at(tokens) for tokens in (1, 4, 8, 9, 32, 64)}
     assert fused == {tokens: tokens <= fused_up_to for tokens in fused}
+
+
+# --- upstream's own communicators in the tuning table (custom_ar, mscclpp, torch_symm_mem) -----
+
+
+def cells(rows):
+    """A tuning table from (backend, tokens, us, note) rows, all correct where they ran."""
+    from sglang_sm120.planning.tuning import Measurement, TuningTable
+
+    ms = tuple(Measurement(b, t, us, True, note) for b, t, us, note in rows)
+    return TuningTable(fingerprint={}, tp=8, hidden=7168, dtype="bfloat16", measurements=ms)
+
+
+def declines(why="no tuned configuration for this size"):
+    from sglang_sm120.planning.tuning import DECLINES
+
+    return DECLINES + why
+
+
+def mscclpp_rows(factor: float, declined_at: tuple[int, ...] = ()):
+    """PCIe-IPC and NCCL as measured, MSCCL++ at ``factor`` times PCIe-IPC's time."""
+    rows = []
+    for tokens, pcie in ((1, 6.0), (16, 8.0), (256, 30.0), (2048, 200.0)):
+        rows += [("pcie_ipc", tokens, pcie, ""), ("nccl", tokens, pcie * 5, "")]
+        declined = tokens in declined_at
+        rows.append(
+            ("mscclpp", tokens, None if declined else pcie * factor, declines() if declined else "")
+        )
+    return rows
+
+
+def test_mscclpp_clearly_faster_where_sglang_all_reduces_turns_on_enable_mscclpp():
+    """An unfused TP8 server: every all-reduce is SGLang's, and MSCCL++ (checked first by
+    upstream) beats PCIe-IPC at every size by more than the margin."""
+    d = D(8, model_arch=DSV3, tuning=cells(mscclpp_rows(0.8)))
+    plan = plan_allreduce(PCIE8, d, ARCHS)
+    assert plan.fusion_backend is None
+    assert plan.upstream_switches == ("enable_mscclpp",)
+    assert set(dict(plan.routes).values()) == {"mscclpp"}
+    assert any(r.startswith("--enable-mscclpp on from the tuning table") for r in plan.reasons)
+
+
+def test_mscclpp_faster_by_noise_only_stays_off():
+    d = D(8, model_arch=DSV3, tuning=cells(mscclpp_rows(0.99)))
+    plan = plan_allreduce(PCIE8, d, ARCHS)
+    assert plan.upstream_switches == ()
+    assert set(dict(plan.routes).values()) == {"pcie_ipc"}
+    assert any(
+        "mscclpp fastest at [1, 16, 256, 2048]" in r and "not a clear win" in r
+        for r in plan.reasons
+    )
+
+
+def test_sizes_mscclpp_declines_go_to_the_next_communicator_in_upstreams_order():
+    d = D(8, model_arch=DSV3, tuning=cells(mscclpp_rows(0.5, declined_at=(2048,))))
+    plan = plan_allreduce(PCIE8, d, ARCHS)
+    assert plan.upstream_switches == ("enable_mscclpp",)
+    assert plan.route_at(256) == "mscclpp" and plan.route_at(2048) == "pcie_ipc"
+
+
+@pytest.mark.parametrize(
+    "setting, said",
+    [
+        ({"pcie_ipc_env": True}, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 set by the user"),
+        ({"enable_symm_mem": True}, "--enable-symm-mem"),
+    ],
+)
+def test_what_the_user_set_keeps_mscclpp_off(setting, said):
+    d = D(8, model_arch=DSV3, tuning=cells(mscclpp_rows(0.5)), **setting)
+    plan = plan_allreduce(PCIE8, d, ARCHS)
+    assert plan.upstream_switches == ()
+    assert "mscclpp" not in dict(plan.routes).values()
+    assert any(f"--enable-mscclpp left off: {said}" in r for r in plan.reasons), plan.reasons
+
+
+def test_mscclpp_the_user_turned_on_is_planned_with_and_not_switched_again():
+    d = D(8, model_arch=DSV3, tuning=cells(mscclpp_rows(0.99)), enable_mscclpp=True)
+    plan = plan_allreduce(PCIE8, d, ARCHS)
+    assert plan.upstream_switches == ()
+    assert set(dict(plan.routes).values()) == {"mscclpp"}  # upstream checks it first
+
+
+def test_at_tp2_a_timed_custom_all_reduce_takes_declined_points_up_to_its_limit():
+    """Custom all-reduce v1 runs at TP2 over PCIe and takes up to 8 MiB: where tune timed it,
+    the table routes declined sizes to it, and larger ones (declined) to the next path."""
+    rows = []
+    for tokens, ours, ca in ((1, 9.0, 5.0), (16, 10.0, 6.0), (2048, 300.0, None)):
+        note = declines("above custom all-reduce's 8 MiB") if ca is None else ""
+        rows += [("sm120_pcie", tokens, ours, ""), ("custom_ar", tokens, ca, note)]
+        rows.append(("pcie_ipc", tokens, 150.0 if tokens == 2048 else 8.0, ""))
+    d = D(2, model_arch=KIMI, tuning=cells(rows))
+    plan = plan_allreduce(WITH_KERNEL, d, ARCHS)
+    assert plan.fusion_backend is None and plan.upstream_switches == ()  # on by default
+    assert plan.route_at(1) == plan.route_at(16) == "custom_ar"
+    assert plan.route_at(2048) == "pcie_ipc"
+    assert not any("untimed" in r or "did not time it" in r for r in plan.reasons)
+
+
+def test_torch_symm_mem_takes_what_nccl_would_serve_where_custom_ar_is_off():
+    """On an NVLink SM90 box in validation mode (torch symmetric memory needs SM90/SM100 and
+    multicast): faster than NCCL at every size, it is switched on."""
+    rows = []
+    for tokens in (1, 16, 256):
+        rows += [("nccl", tokens, 30.0, ""), ("torch_symm_mem", tokens, 10.0, "")]
+    d = D(8, model_arch=DSV3, tuning=cells(rows), any_arch=True, custom_all_reduce=False)
+    plan = plan_allreduce(H200, d, ARCHS)
+    assert plan.upstream_switches == ("enable_torch_symm_mem",)
+    assert set(dict(plan.routes).values()) == {"torch_symm_mem"}
+    # Deterministic inference turns fusion off, and with it the table: no switch.
+    deterministic = plan_allreduce(H200, dataclasses.replace(d, deterministic=True), ARCHS)
+    assert deterministic.upstream_switches == () and not deterministic.routes
+
+
+def test_a_plan_with_upstream_switches_round_trips_and_a_foreign_switch_is_refused():
+    from sglang_sm120.planning.policy import AllReducePlan
+    from sglang_sm120.strict_json import FieldError
+
+    plan = plan_allreduce(PCIE8, D(8, model_arch=DSV3, tuning=cells(mscclpp_rows(0.8))), ARCHS)
+    assert AllReducePlan.from_json(plan.to_json()) == plan
+    data = {**plan.to_json(), "upstream_switches": ["disable_custom_all_reduce"]}
+    with pytest.raises(FieldError, match="upstream_switches"):
+        AllReducePlan.from_json(data)
+    older = {k: v for k, v in plan.to_json().items() if k != "upstream_switches"}
+    assert AllReducePlan.from_json(older).upstream_switches == ()
+
+
+def test_under_trtllm_a_faster_custom_all_reduce_is_named_not_routed():
+    """The sm120_pcie_backend patch declines trtllm points to PCIe-IPC only: a size where the
+    timed custom all-reduce was fastest stays on trtllm, and the plan says why."""
+    rows = []
+    for tokens, trtllm, ca in ((1, 5.0, 9.0), (16, 6.0, 9.0), (64, 20.0, 8.0)):
+        rows += [("trtllm", tokens, trtllm, ""), ("custom_ar", tokens, ca, "")]
+        rows.append(("pcie_ipc", tokens, 30.0, ""))
+    plan = plan_allreduce(WITH_KERNEL, D(2, model_arch=KIMI, tuning=cells(rows)), ARCHS)
+    assert plan.fusion_backend == "trtllm"
+    assert set(dict(plan.routes).values()) == {"trtllm"}
+    assert any(
+        r.startswith("custom_ar fastest at [64] tokens (a trtllm point is declined to PCIe-IPC")
+        for r in plan.reasons
+    ), plan.reasons

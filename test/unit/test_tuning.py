@@ -254,3 +254,96 @@ def test_tune_names_a_cache_dir_it_cannot_write_before_measuring(monkeypatch, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert f"SGLANG_SM120_CACHE_DIR={tmp_path / 'a-file'} is not writable" in err[0]
+
+
+# --- upstream's own communicators as table backends --------------------------------------------
+
+
+MSCCLPP_MISSING = "not installed: the mscclpp package does not import (it is not on PyPI"
+NO_SM12X_SYMM_MEM = (
+    "not available: SGLang's size table has no SM12x entry and PCIe has no multicast"
+)
+
+
+@pytest.mark.parametrize(
+    ("profile", "tp", "refused"),
+    [
+        (
+            "rtx-pro-6000-x8-pcie",
+            8,
+            {
+                "custom_ar": "not available: upstream refuses more than 2 PCIe-only GPUs",
+                "mscclpp": MSCCLPP_MISSING,
+                "torch_symm_mem": NO_SM12X_SYMM_MEM,
+            },
+        ),
+        (
+            "rtx-pro-6000-x8-pcie",
+            2,
+            {"mscclpp": MSCCLPP_MISSING, "torch_symm_mem": NO_SM12X_SYMM_MEM},
+        ),
+        (
+            "rtx-5090-x2-nop2p",
+            2,
+            {
+                "custom_ar": "not available: no P2P between GPUs 0-1: upstream's P2P test",
+                "mscclpp": MSCCLPP_MISSING,
+                "torch_symm_mem": NO_SM12X_SYMM_MEM,
+            },
+        ),
+    ],
+    ids=["tp8 pcie", "tp2 pcie: custom AR measured", "no p2p"],
+)
+def test_tune_measures_upstreams_communicators_where_doctor_says_they_can_run(
+    monkeypatch, profile, tp, refused
+):
+    """The reasons are doctor's "all-reduce options" rows: custom AR is measured at TP2 over
+    PCIe (where upstream builds it), not at TP8 PCIe-only; MSCCL++ says how to get it."""
+    import importlib.util
+
+    from sglang_sm120.commands import tune
+    from sglang_sm120.machine.facts import current_facts
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", profile)
+    assert importlib.util.find_spec("mscclpp") is None  # this CPU box: not installed
+    current_facts.cache_clear()  # read once per process: this test's profile, and no other's
+    try:
+        got = tune.upstream_refusals(tp)
+    finally:
+        current_facts.cache_clear()
+    assert set(got) == set(refused)
+    for backend, start in refused.items():
+        assert got[backend].startswith(start), got[backend]
+    assert "build it from github.com/microsoft/mscclpp" in got["mscclpp"]
+
+
+def test_a_declined_cell_is_read_back_and_printed_as_declined_not_as_a_failure():
+    from sglang_sm120.commands.tune import format_table
+    from sglang_sm120.planning.tuning import DECLINES
+
+    ms = (
+        Measurement("nccl", 2048, 90.0, True),
+        Measurement("custom_ar", 4, 5.0, True),
+        Measurement("custom_ar", 2048, None, False, DECLINES + "29360128 bytes (its limit: 8 MiB)"),
+        Measurement("mscclpp", 2048, None, False, "failed: RuntimeError: x"),
+    )
+    table = TuningTable({}, 2, 7168, "bfloat16", ms)
+    assert TuningTable.from_json(json.loads(json.dumps(table.to_json()))) == table
+    row2048 = format_table(table).splitlines()[3].split()
+    assert row2048[0] == "2048"
+    columns = dict(zip(format_table(table).splitlines()[1].split()[1:], row2048[1:], strict=False))
+    assert columns["custom_ar"] == "declined" and columns["mscclpp"] == "n/a"
+    assert wrong_backends(table) == set()  # declining a size is not a wrong result
+
+
+def test_a_table_written_before_the_upstream_backends_still_loads():
+    """TABLE_VERSION was not bumped: a table without the new backends is what it measured."""
+    from sglang_sm120.planning.tuning import TABLE_VERSION
+
+    table = make_table()
+    data = table.to_json()
+    assert data["version"] == TABLE_VERSION == 2
+    assert {m["backend"] for m in data["measurements"]} <= {"nccl", "sm120_pcie"}
+    save_table(table)
+    loaded, reason = load_table(PCIE8, 8, 7168, "bfloat16")
+    assert loaded == table, reason

@@ -203,6 +203,12 @@ def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> N
         action="store_true",
         help="as SGLang's flag (at TP2 or with NVLink it takes the points fusion declines)",
     )
+    for flag, what in (
+        ("--enable-mscclpp", "the plan then routes the sizes MSCCL++ takes to it"),
+        ("--enable-torch-symm-mem", "the plan then routes the sizes it takes to it"),
+        ("--enable-symm-mem", "NCCL symmetric memory: the plan turns no upstream switch on"),
+    ):
+        parser.add_argument(flag, action="store_true", help=f"as SGLang's flag ({what})")
     parser.add_argument(
         "--plugin-backend",
         choices=PLUGIN_BACKEND_CHOICES,
@@ -235,6 +241,9 @@ def deployment_from_args(args: argparse.Namespace, tp_size: int) -> Deployment:
         pcie_ipc_env=pcie_ipc_env(),
         plugin_backend=None if chosen == "auto" else chosen,
         custom_all_reduce=not args.disable_custom_all_reduce,
+        enable_mscclpp=args.enable_mscclpp,
+        enable_torch_symm_mem=args.enable_torch_symm_mem,
+        enable_symm_mem=args.enable_symm_mem,
         any_arch=validation_mode(),
     )
 

@@ -13,6 +13,11 @@ For each token count a decode/verify step can have and the model's hidden size, 
     sm120_pcie   sgl-kernel-sm120's fused kernel
     sm120_pcie_unfused  sgl-kernel-sm120's all-reduce + the same add+RMSNorm kernel (the plan
                  routes a size here when this beats the fused kernel)
+    custom_ar, mscclpp, torch_symm_mem  upstream's own communicators (custom all-reduce,
+                 PyMscclppCommunicator, TorchSymmMemCommunicator), built as SGLang's
+                 GroupCoordinator builds them, + the same add+RMSNorm kernel; measured where
+                 doctor's "all-reduce options" say they can run (``upstream_refusals``), each
+                 size they decline written as declined (``tuning.DECLINES``)
 
 Ranks are one process per GPU when there are enough GPUs. Otherwise they share one GPU as
 streams of one process: only sm120_pcie can run there (NCCL refuses two ranks on one GPU), the
@@ -38,7 +43,14 @@ from typing import Any
 from sglang_sm120.commands.args import positive_int
 from sglang_sm120.machine.cache import cache_write_problem, host_fingerprint
 from sglang_sm120.machine.facts import current_facts
-from sglang_sm120.planning.tuning import BACKENDS, Measurement, TuningTable, save_table
+from sglang_sm120.planning.tuning import (
+    BACKENDS,
+    DECLINES,
+    UPSTREAM_BACKENDS,
+    Measurement,
+    TuningTable,
+    save_table,
+)
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 EPS = 1e-6
@@ -196,7 +208,7 @@ def _tune_local(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
     measurements = [
         Measurement(b, t, None, False, f"n/a: needs {tp} GPUs (ranks share one here)")
         for t in settings.tokens
-        for b in ("nccl", "pcie_ipc", "trtllm")
+        for b in ("nccl", "pcie_ipc", "trtllm", *UPSTREAM_BACKENDS)
     ]
     ranks = LocalRanks(sk.CommWorkspace.create_local(tp, max(settings.tokens), hidden, dtype))
     bar = progress_bar(len(settings.tokens), f"tune tp={tp} sm120_pcie")
@@ -300,6 +312,133 @@ def flashinfer_pcie_ipc(
     )
 
 
+# --------------------------------------------------- upstream's own all-reduce communicators
+
+# Each upstream backend and the switch doctor's "all-reduce options" judge it by.
+UPSTREAM_SWITCHES = {
+    "custom_ar": "--disable-custom-all-reduce",
+    "mscclpp": "--enable-mscclpp",
+    "torch_symm_mem": "--enable-torch-symm-mem",
+}
+
+
+class Declines(Exception):
+    """An upstream communicator's own check refuses this size: SGLang hands such an
+    all-reduce to its next communicator, so the cell says so (``tuning.DECLINES``)."""
+
+
+def upstream_refusals(tp: int) -> dict[str, str]:
+    """backend -> why it is not measured here: what doctor's "all-reduce options" say of its
+    switch (``planning.levers``), so tune measures each where upstream would build it and
+    gives the same reason where it would not."""
+    from sglang_sm120.commands.allreduce_options import mscclpp_imports
+    from sglang_sm120.planning.levers import MSCCLPP_MISSING, allreduce_levers
+    from sglang_sm120.planning.policy import Deployment, plan_allreduce
+    from sglang_sm120.planning.upstream import FUSION_ARCHS
+
+    facts = current_facts()
+    d = Deployment(tp_size=tp)
+    plan = plan_allreduce(facts, d, FUSION_ARCHS)
+    levers = allreduce_levers(facts, d, plan, FUSION_ARCHS, mscclpp_imports())
+    by_switch = {lever.switch: lever for lever in levers}
+    refused = {}
+    for backend, switch in UPSTREAM_SWITCHES.items():
+        lever = by_switch[switch]
+        if lever.can_run is False:
+            missing = backend == "mscclpp" and lever.why == MSCCLPP_MISSING
+            prefix = "not installed" if missing else "not available"
+            refused[backend] = (
+                lever.why if lever.why.startswith(prefix) else f"{prefix}: {lever.why}"
+            )
+    return refused
+
+
+def _custom_ar(gloo: Any, device: Any, add_rmsnorm: Callable) -> Callable:
+    """Upstream's custom all-reduce as parallel_state.GroupCoordinator builds it (the class
+    ``dispatch_custom_allreduce`` picks, on the gloo group); ``capture`` registers the graph's
+    buffers as SGLang's graph capture does."""
+    from sglang.srt.distributed.device_communicators.custom_all_reduce import (
+        dispatch_custom_allreduce,
+    )
+
+    cls = dispatch_custom_allreduce(group=gloo, device=device)
+    comm = cls(group=gloo, device=device)
+    if getattr(comm, "disabled", False):
+        raise RuntimeError(f"upstream's {cls.__name__} disabled itself here (its warning says why)")
+
+    def custom_ar(x, residual, weight):
+        if not comm.should_custom_ar(x):
+            limit = getattr(comm, "max_size", None)
+            raise Declines(f"{x.numel() * x.element_size()} bytes (its limit: {limit} bytes)")
+        return add_rmsnorm(comm.custom_all_reduce(x), residual, weight)
+
+    custom_ar.capture = comm.capture  # type: ignore[attr-defined]
+    return custom_ar
+
+
+def _mscclpp(gloo: Any, device: Any, add_rmsnorm: Callable) -> Callable:
+    """Upstream's PyMscclppCommunicator as GroupCoordinator builds it, enabled as SGLang
+    enables it for graph capture (``change_state``), held so for this process."""
+    from sglang.srt.distributed.device_communicators.pymscclpp import PyMscclppCommunicator
+
+    comm = PyMscclppCommunicator(group=gloo, device=device, group_name="tp")
+    if not comm.available:
+        raise RuntimeError("upstream's MSCCL++ communicator produced no tuned configuration here")
+    state = comm.change_state(enable=True)
+    state.__enter__()
+
+    def mscclpp(x, residual, weight):
+        if not comm.should_mscclpp_allreduce(x):
+            raise Declines(f"no tuned MSCCL++ configuration for {x.numel() * x.element_size()} B")
+        return add_rmsnorm(comm.all_reduce(x.clone()), residual, weight)
+
+    mscclpp.state = state  # type: ignore[attr-defined]  # the enabled state lives as long as fn
+    return mscclpp
+
+
+def _torch_symm_mem(gloo: Any, device: Any, add_rmsnorm: Callable) -> Callable:
+    """Upstream's TorchSymmMemCommunicator as GroupCoordinator builds it."""
+    from sglang.srt.distributed.device_communicators.torch_symm_mem import (
+        TorchSymmMemCommunicator,
+    )
+
+    comm = TorchSymmMemCommunicator(group=gloo, device=device)
+    if comm.disabled:
+        raise RuntimeError(
+            "upstream's TorchSymmMemCommunicator disabled itself here (no multicast address, "
+            "or a capability or world size not in its size table; its warning says which)"
+        )
+
+    def torch_symm_mem(x, residual, weight):
+        if not comm.should_torch_symm_mem_allreduce(x):
+            raise Declines(f"{x.numel() * x.element_size()} bytes (bf16 below {comm.max_size})")
+        return add_rmsnorm(comm.all_reduce(x), residual, weight)
+
+    return torch_symm_mem
+
+
+def upstream_backends(
+    gloo: Any, device: Any, add_rmsnorm: Callable, skipped: dict[str, str]
+) -> dict[str, Callable]:
+    """Upstream's custom all-reduce, MSCCL++ and torch symmetric memory, each + add_rmsnorm,
+    where they can run here; ``skipped`` gets the reason for each that cannot. Collective
+    over ``gloo``: every rank reaches the same refusals from the same facts."""
+    import torch.distributed as dist
+
+    refused = upstream_refusals(dist.get_world_size(gloo))
+    skipped.update(refused)
+    builders = {"custom_ar": _custom_ar, "mscclpp": _mscclpp, "torch_symm_mem": _torch_symm_mem}
+    backends: dict[str, Callable] = {}
+    for name, build in builders.items():
+        if name in refused:
+            continue
+        try:
+            backends[name] = build(gloo, device, add_rmsnorm)
+        except Exception as exc:  # one backend that cannot start must not hide the others
+            skipped[name] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+    return backends
+
+
 def _rank_backends(
     rank: int,
     settings: TuneSettings,
@@ -330,6 +469,7 @@ def _rank_backends(
     except Exception as exc:
         why = f"unavailable: {type(exc).__name__}: {exc}"[:300]
         skipped["sm120_pcie"] = skipped["sm120_pcie_unfused"] = why
+    backends.update(upstream_backends(gloo, torch.device("cuda", rank), add_rmsnorm, skipped))
     try:
         import flashinfer.comm  # noqa: F401
     except Exception as exc:
@@ -391,8 +531,11 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
                 def call(fn=fn, x=xs[rank], residual=residual, weight=weight):
                     return fn(x, residual, weight)
 
-                us = time_graph(call, stream, settings.calls, settings.replays, gloo)
+                capture = getattr(fn, "capture", None)
+                us = time_graph(call, stream, settings.calls, settings.replays, gloo, capture)
                 rows.append((name, tokens, us, correct, "" if correct else why))
+            except Declines as exc:  # every rank declines the same size
+                rows.append((name, tokens, None, False, f"{DECLINES}{exc}"[:300]))
             except Exception as exc:  # a backend failing must not hide the others
                 rows.append(
                     (name, tokens, None, False, f"failed: {type(exc).__name__}: {exc}"[:300])
@@ -404,9 +547,20 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
     dist.destroy_process_group()
 
 
-def time_graph(body: Callable[[], Any], stream: Any, calls: int, replays: int, gloo: Any) -> float:
+def time_graph(
+    body: Callable[[], Any],
+    stream: Any,
+    calls: int,
+    replays: int,
+    gloo: Any,
+    capture: Callable[[], Any] | None = None,
+) -> float:
     """``calls`` repetitions of body() captured in one graph, replayed in step with the other
-    ranks of ``gloo`` (one process per GPU); microseconds per call."""
+    ranks of ``gloo`` (one process per GPU); microseconds per call. ``capture``: a context the
+    backend needs around graph capture (upstream's custom all-reduce registers the graph's
+    buffers on leaving it, as SGLang's ``GroupCoordinator.graph_capture`` does)."""
+    from contextlib import nullcontext
+
     import torch
     import torch.distributed as dist
 
@@ -415,7 +569,7 @@ def time_graph(body: Callable[[], Any], stream: Any, calls: int, replays: int, g
         body()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with (capture or nullcontext)(), torch.cuda.graph(graph, stream=stream):
         for _ in range(calls):
             body()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -505,12 +659,20 @@ def format_table(table: TuningTable) -> str:
         cells = []
         for b in BACKENDS:
             m = by_cell.get((b, t))
-            cell = (
-                "n/a" if m is None or m.us is None else f"{m.us:.1f}" + ("" if m.correct else "!")
-            )
+            if m is not None and m.us is None and m.note.startswith(DECLINES):
+                cell = "declined"
+            else:
+                cell = (
+                    "n/a"
+                    if m is None or m.us is None
+                    else f"{m.us:.1f}" + ("" if m.correct else "!")
+                )
             cells.append(f"{cell:>{widths[b]}}")
         lines.append(f"{t:>6} " + " ".join(cells) + f"  {best.get(t, '-')}")
-    lines.append("(us per call; '!' = wrong result, excluded)")
+    lines.append(
+        "(us per call; '!' = wrong result, excluded; declined = upstream's communicator does "
+        "not take that size, SGLang's next one does)"
+    )
     lines += [f"note: {n}" for n in table.notes]
     return "\n".join(lines)
 

@@ -36,6 +36,8 @@ MSCCLPP_MISSING = (
     "github.com/microsoft/mscclpp)"
 )
 NOT_MEASURED = "not measured on SM12x: `sglang-sm120 tune` does not time it"
+# Upstream's communicators `tune` times where they can run (commands.tune.upstream_refusals).
+TUNED = "`sglang-sm120 tune` times it here, and a tuning table turns it on where it clearly wins"
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,11 @@ def serving(plan: AllReducePlan) -> str:
     return plain + fused
 
 
+def on(plan: AllReducePlan) -> str:
+    """The plan's reasons for the upstream switches its tuning table turns on."""
+    return "; ".join(r for r in plan.reasons if " on from the tuning table" in r)
+
+
 def _reason(plan: AllReducePlan, *starts: str) -> str:
     """The plan's first reason that starts with one of ``starts`` ("" when none does)."""
     return next((r for r in plan.reasons if r.startswith(starts)), "")
@@ -158,7 +165,8 @@ def _custom_all_reduce(g: _Group, d: Deployment, plan: AllReducePlan) -> Lever:
         True,
         f"upstream's custom all-reduce runs here ({how}) and is on by default: plain "
         f"all-reduces up to {mib} MiB go to {first}it, before {later}",
-        f"those all-reduces go to {later} instead; {NOT_MEASURED} against it",
+        f"those all-reduces go to {later} instead; `sglang-sm120 tune` times it, and a tuning "
+        "table routes declined points to it where it wins",
     )
 
 
@@ -177,8 +185,11 @@ def _mscclpp(g: _Group, plan: AllReducePlan, mscclpp: bool | None) -> Lever:
     takes = (
         "MSCCL++ takes the all-reduces it has a tuned configuration for, inside CUDA graphs, "
         "ahead of custom all-reduce and PCIe-IPC (upstream checks it first); the rest stay on "
-        f"{serving(plan)}; {NOT_MEASURED}"
+        f"{serving(plan)}; {TUNED}"
     )
+    if "enable_mscclpp" in plan.upstream_switches:
+        why = f"the tuning table measured it faster at the sizes SGLang all-reduces: {on(plan)}"
+        return Lever(switch, True, True, why, takes)
     if mscclpp is None:
         why = f"world size {g.size} fits ({sizes}); runs where the mscclpp package imports"
         return Lever(switch, None, False, why, takes)
@@ -210,6 +221,9 @@ def _torch_symm_mem(g: _Group, d: Deployment, plan: AllReducePlan) -> Lever:
         )
     mib = min(TORCH_SYMM_MEM_MAX_BYTES[m][g.size] for m in majors) >> 20
     bf16 = "" if d.dtype in (None, "bfloat16") else f" (this model is {d.dtype}: none of its)"
+    if "enable_torch_symm_mem" in plan.upstream_switches:  # it ran in tune: multicast is here
+        why = f"the tuning table measured it faster at the sizes SGLang all-reduces: {on(plan)}"
+        return Lever(switch, True, True, why, f"bf16 all-reduces up to {mib} MiB as planned")
     return Lever(
         switch,
         None,
@@ -217,7 +231,7 @@ def _torch_symm_mem(g: _Group, d: Deployment, plan: AllReducePlan) -> Lever:
         "capability and world size are in SGLang's table; multicast needs an NVSwitch fabric, "
         "which the facts do not record (upstream checks it at start)",
         f"bf16 all-reduces up to {mib} MiB{bf16} that custom all-reduce, PCIe-IPC and MSCCL++ "
-        f"leave go to torch symmetric memory instead of NCCL; {NOT_MEASURED}",
+        f"leave go to torch symmetric memory instead of NCCL; {TUNED}",
     )
 
 

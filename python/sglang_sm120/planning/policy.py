@@ -41,8 +41,9 @@ Rules (docs/routing.md's table; test/unit/test_policy.py checks each row):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +51,11 @@ from sglang_sm120.machine.facts import GpuInfo, HostFacts, describe_gpus
 from sglang_sm120.machine.host_checks import FAIL, WARN, HostCheck, HostFindings
 from sglang_sm120.planning.tuning import (
     BACKENDS,
+    DECLINES,
     SM120_PCIE_ROUTES,
     UNFUSED_MIN_GAIN,
+    UPSTREAM_BACKENDS,
+    Measurement,
     TuningTable,
     correct_times,
     excluded,
@@ -81,6 +85,10 @@ def in_scope(gpu: GpuInfo, any_arch: bool = False) -> bool:
 
 PLAN_FUSION_BACKENDS = ("trtllm", "sm120_pcie")  # a plan's fusion_backend, when not None
 PLAN_PLAIN_ALLREDUCES = ("upstream", "none", "nccl", "pcie_ipc", "sm120_pcie")
+# Upstream's switched-off communicators a tuning table can turn on: the ServerArgs field the
+# launcher sets (only where the user left it unset) and the flag that says the same.
+UPSTREAM_SWITCH_FIELDS = {"mscclpp": "enable_mscclpp", "torch_symm_mem": "enable_torch_symm_mem"}
+UPSTREAM_SWITCH_FLAGS = {"mscclpp": "--enable-mscclpp", "torch_symm_mem": "--enable-torch-symm-mem"}
 # A published plan's bounds, above anything a launcher writes (the launch plan's size bounds
 # the document as a whole).
 MAX_REASONS = 1024
@@ -137,6 +145,9 @@ class Deployment:
     ray: bool = False  # --use-ray: the actors never load SGLang plugins
     disaggregation: bool = False  # PD disaggregation: a prefill server sends KV, not tokens
     custom_all_reduce: bool = True  # upstream's custom all-reduce (--disable-custom-all-reduce)
+    enable_mscclpp: bool = False  # --enable-mscclpp set by the user
+    enable_torch_symm_mem: bool = False  # --enable-torch-symm-mem set by the user
+    enable_symm_mem: bool = False  # --enable-symm-mem: NCCL symmetric memory takes plain ARs
     any_arch: bool = False  # validation mode (SGLANG_SM120_ANY_ARCH=1): SM90+ managed as SM12x
     host: HostFindings | None = None  # host checks and the p2p probe; None: not looked at
 
@@ -205,6 +216,9 @@ class AllReducePlan:
     plain_allreduce: str
     reasons: tuple[str, ...] = field(default=())
     routes: tuple[tuple[int, str], ...] = field(default=())
+    # ServerArgs fields the launcher turns on (UPSTREAM_SWITCH_FIELDS) where the user left them
+    # unset: upstream communicators the tuning table found faster at sizes SGLang all-reduces.
+    upstream_switches: tuple[str, ...] = field(default=())
 
     def route_at(self, tokens: int) -> str | None:
         """The backend that serves a fused point of ``tokens`` rows: the fusion backend
@@ -266,6 +280,7 @@ class AllReducePlan:
             "plain_allreduce": self.plain_allreduce,
             "reasons": list(self.reasons),
             "routes": [list(run) for run in self.route_ranges()],
+            "upstream_switches": list(self.upstream_switches),
         }
 
     @classmethod
@@ -282,6 +297,17 @@ class AllReducePlan:
             ),
             reasons=_reasons(data, "plan"),
             routes=_routes_from_ranges(require(data, "routes", list, "plan", limit=MAX_ROUTES)),
+            upstream_switches=tuple(
+                require_list(
+                    data,
+                    "upstream_switches",
+                    str,
+                    "plan",
+                    max_items=len(UPSTREAM_SWITCH_FIELDS),
+                    default=[],
+                    choices=tuple(UPSTREAM_SWITCH_FIELDS.values()),
+                )
+            ),
         )
 
     def route_ranges(self) -> list[tuple[int, int, str]]:
@@ -688,37 +714,64 @@ def plan_allreduce(
     return dataclasses.replace(plan, reasons=(*plan.reasons, *_host_reasons(plan, hazards)))
 
 
-def _declined_to(
-    fusion: str | None, plain: str, pcie_ipc_behind: bool, custom_ar_first: bool
+def _upstream_order(
+    plain: str, pcie_ipc_behind: bool, custom_ar_on: bool, extras: Collection[str]
+) -> tuple[str, ...]:
+    """The communicators an all-reduce that SGLang makes is offered to, in upstream's order
+    (parallel_state._resolve_outplace_all_reduce_method: MSCCL++ where it has a tuned
+    configuration, ahead of custom all-reduce and PCIe-IPC; torch symmetric memory after them;
+    NCCL last). ``extras``: the switched-on ones of MSCCL++ and torch symmetric memory."""
+    order = ["mscclpp"] if "mscclpp" in extras else []
+    if custom_ar_on:
+        order.append("custom_ar")
+    if plain == "pcie_ipc" or pcie_ipc_behind:
+        order.append("pcie_ipc")
+    if "torch_symm_mem" in extras:
+        order.append("torch_symm_mem")
+    return (*order, "nccl")
+
+
+def _taker(
+    cells: dict[tuple[str, int], Measurement], order: Sequence[str], tokens: int
 ) -> str | None:
-    """The table backend that all-reduces a point the fusion backend declines (then SGLang's
-    norm runs), or None where a decline cannot leave the fusion backend for a measured path.
-    One per server: upstream's all-reduce takes whatever fits the first eligible communicator,
-    not a per-size choice. With a fusion backend on, the TP groups are tagged for FlashInfer's
-    all-reduce unless the plain all-reduce is PCIe-IPC (patch allreduce_precedence): under
-    trtllm a declined point would then run trtllm's own all-reduce + norm, so trtllm keeps
-    every size. ``custom_ar_first``: upstream's custom all-reduce (v1 over PCIe) takes a
-    declined point before PCIe-IPC and NCCL, and tune does not time it."""
-    if custom_ar_first or (fusion == "trtllm" and plain != "pcie_ipc"):
-        return None
-    return "pcie_ipc" if plain == "pcie_ipc" or pcie_ipc_behind else "nccl"
+    """The communicator of ``order`` that takes an all-reduce of ``tokens`` rows, as tune saw
+    it: a cell that declines the size (``DECLINES``) passes it on, as upstream's own check
+    does; a communicator with no cell at that size is untimed there (None: nothing measured
+    says where the all-reduce goes)."""
+    for backend in order:
+        cell = cells.get((backend, tokens))
+        if cell is None:
+            return None
+        if cell.us is None and cell.note.startswith(DECLINES):
+            continue
+        return backend
+    return None
 
 
-def _servable(
-    fusion: str | None, plain: str, declined_to: str | None, kernel_usable: bool
-) -> frozenset[str]:
-    """The table backends one server can run at a fused point: its fusion backend (one per
-    server: trtllm and sm120_pcie exclude each other), what a declined point is all-reduced by,
-    and under sm120_pcie with its plain all-reduce ours, our all-reduce + SGLang's norm
-    (sm120_pcie_unfused). trtllm is declined per size by the sm120_pcie_backend patch, which
-    needs sgl-kernel-sm120 (``HostFacts.sm120_kernel_problem``); without it trtllm serves every
-    size."""
-    backends = {fusion} if fusion is not None else set()
-    if declined_to is not None and not (fusion == "trtllm" and not kernel_usable):
-        backends.add(declined_to)
-    if fusion == "sm120_pcie" and plain == "sm120_pcie":
-        backends.add("sm120_pcie_unfused")
-    return frozenset(backends)
+def _servable_at(
+    fusion: str | None, plain: str, order: tuple[str, ...], cells: dict, kernel_usable: bool
+) -> Callable[[int], frozenset[str]]:
+    """The table backends one server can run at a fused point of a given size: its fusion
+    backend (one per server: trtllm and sm120_pcie exclude each other), the communicator that
+    all-reduces a declined point there (``_taker``), and under sm120_pcie with its plain
+    all-reduce ours, our all-reduce + SGLang's norm (sm120_pcie_unfused). With a fusion
+    backend on, the TP groups are tagged for FlashInfer's all-reduce unless the plain
+    all-reduce is PCIe-IPC (patch allreduce_precedence): under trtllm a declined point would
+    run trtllm's own all-reduce, and the sm120_pcie_backend patch declines trtllm points to
+    PCIe-IPC only (it needs sgl-kernel-sm120: ``HostFacts.sm120_kernel_problem``)."""
+
+    @functools.cache  # winners asks once per cell: a table of every size has ~16k
+    def at(tokens: int) -> frozenset[str]:
+        backends = {fusion} if fusion is not None else set()
+        taker = _taker(cells, order, tokens)
+        trtllm_declines = plain == "pcie_ipc" and kernel_usable and taker == "pcie_ipc"
+        if taker is not None and (fusion != "trtllm" or trtllm_declines):
+            backends.add(taker)
+        if fusion == "sm120_pcie" and plain == "sm120_pcie":
+            backends.add("sm120_pcie_unfused")
+        return frozenset(backends)
+
+    return at
 
 
 def _sizes_by_backend(routes: dict[int, str]) -> str:
@@ -728,19 +781,35 @@ def _sizes_by_backend(routes: dict[int, str]) -> str:
     return ", ".join(f"{b} at [{size_ranges(sizes)}]" for b, sizes in by_backend.items())
 
 
+def _extras_blocker(d: Deployment, extra: str) -> str | None:
+    """Why the plan does not turn on upstream's ``extra`` communicator for this launch, or
+    None: only where nothing the user set says otherwise. NCCL symmetric memory
+    (--enable-symm-mem) sends every plain all-reduce to NCCL first; an explicit
+    SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 asks for the sizes MSCCL++ would take. (Deterministic
+    inference and --use-ray never reach a table plan: fusion is off there, and the default
+    rules apply.)"""
+    if d.enable_symm_mem:
+        return "--enable-symm-mem sends plain all-reduces to NCCL first"
+    if extra == "mscclpp" and d.pcie_ipc_env:
+        return "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 set by the user, which MSCCL++ would preempt"
+    return None
+
+
 def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllReducePlan | None:
     """The plan a tuning table picks, or None when no candidate can serve every measured size.
 
     Candidates: fusion off, trtllm, sm120_pcie, and sm120_pcie with upstream's PCIe-IPC on
-    behind our all-reduce. Each serves every measured size with the fastest correct backend it
-    can run there (``_servable``; a size leaves the fusion backend only by UNFUSED_MIN_GAIN).
-    The candidate whose routes come closest to the per-size best wins, by the geometric mean
-    of route time / best time over the measured sizes (every size weighs the same; a tie goes
-    to the simpler candidate), except that fusion is turned off only when that beats the best
-    fused candidate by UNFUSED_MIN_GAIN's ratio, as a size leaves its fusion backend. At TP2
-    or with NVLink upstream's custom all-reduce takes declined points and an unfused server's
-    all-reduces first, untimed by tune: there no size is declined and fusion off is no
-    candidate."""
+    behind our all-reduce; without trtllm, each also with upstream's MSCCL++ and/or torch
+    symmetric memory switched on where the table measured them correct. Each serves every
+    measured size with the fastest correct backend it can run there (``_servable_at``; a size
+    leaves the fusion backend only by UNFUSED_MIN_GAIN). The candidate whose routes come
+    closest to the per-size best wins, by the geometric mean of route time / best time over the
+    measured sizes (every size weighs the same; a tie goes to the simpler candidate), except
+    that fusion is turned off, or an upstream switch on, only when that beats the best
+    candidate without it by UNFUSED_MIN_GAIN's ratio, as a size leaves its fusion backend.
+    At TP2 or with NVLink upstream's custom all-reduce takes declined points and an unfused
+    server's all-reduces first: where tune timed it, the table routes sizes there; where it did
+    not, no size is declined and fusion off is no candidate."""
     table = d.tuning
     assert table is not None
     times = correct_times(table)
@@ -749,6 +818,7 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
         best_us[tokens] = min(us, best_us.get(tokens, us))
     if not best_us:
         return None
+    cells = {(m.backend, m.tokens): m for m in table.measurements}
     bad = excluded(table)
     note = f" (excluded as wrong here: {', '.join(bad)})" if bad else ""
     pcie_ipc_usable = _plan_plain(cap, facts, d, None)[0] == "pcie_ipc"
@@ -756,40 +826,69 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
     # Upstream builds its custom all-reduce at world size 2 (v1 over PCIe) or with NVLink, and
     # resolves an untagged all-reduce to it before PCIe-IPC and NCCL.
     custom_ar_first = d.custom_all_reduce and (d.tp_size == 2 or facts.has_nvlink)
-    candidates: list[tuple[str | None, bool]] = [] if custom_ar_first else [(None, False)]
+    custom_ar_timed = custom_ar_first and any(b == "custom_ar" for b, _ in cells)
     measured = {backend for backend, _ in times}
+    user_on = {
+        e
+        for e, on in (("mscclpp", d.enable_mscclpp), ("torch_symm_mem", d.enable_torch_symm_mem))
+        if on
+    }
+    optional = [
+        e
+        for e in ("mscclpp", "torch_symm_mem")
+        if e in measured and e not in user_on and _extras_blocker(d, e) is None
+    ]
+    extra_sets = [frozenset()] + [frozenset({e}) for e in optional]
+    if len(optional) == 2:
+        extra_sets.append(frozenset(optional))
+    candidates: list[tuple[str | None, bool, frozenset[str]]] = [
+        (None, False, extras) for extras in extra_sets
+    ]
     trtllm_refused = _tp_span(facts, d)[0] > 1  # TRTLLM_MULTI_NODE
     if "trtllm" in measured and not trtllm_refused:
-        candidates.append(("trtllm", False))
+        candidates.append(("trtllm", False, frozenset()))
     if _sm120_pcie_blocker(facts, d) is None and measured & set(SM120_PCIE_ROUTES):
-        candidates.append(("sm120_pcie", False))
+        candidates += [("sm120_pcie", False, extras) for extras in extra_sets]
         behind_possible = _plan_plain(cap, facts, d, "sm120_pcie")[0] == "sm120_pcie"
-        if pcie_ipc_usable and behind_possible and not custom_ar_first:
-            candidates.append(("sm120_pcie", True))
+        if pcie_ipc_usable and behind_possible and (custom_ar_timed or not custom_ar_first):
+            candidates += [("sm120_pcie", True, extras) for extras in extra_sets]
     options = []
-    for fusion, pcie_behind in candidates:
+    for fusion, pcie_behind, extras in candidates:
         plain, plain_reason = _plan_plain(cap, facts, d, fusion)
-        declined_to = _declined_to(fusion, plain, pcie_behind, custom_ar_first)
-        allowed = _servable(fusion, plain, declined_to, kernel_usable)
+        order = _upstream_order(plain, pcie_behind, custom_ar_first, extras | user_on)
+        allowed = _servable_at(fusion, plain, order, cells, kernel_usable)
         routes = winners(table, allowed, prefer=fusion)
         if set(routes) != set(best_us):
             continue  # a measured size this candidate cannot serve
         own = SM120_PCIE_ROUTES if fusion == "sm120_pcie" else (fusion,)
         if fusion is not None and not set(routes.values()) & set(own):
             continue  # declines every size: fusion off, with a workspace for nothing
+        if extras and not extras <= set(routes.values()):
+            continue  # a switch that serves no size is no candidate
         ratios = [times[(routes[t], t)] / best_us[t] for t in routes]
         cost = math.prod(ratios) ** (1 / len(ratios))
-        name = (fusion or "off") + (" with PCIe-IPC behind" if pcie_behind else "")
-        options.append((cost, name, fusion, plain, plain_reason, routes, allowed))
+        name = (
+            (fusion or "off")
+            + (" with PCIe-IPC behind" if pcie_behind else "")
+            + "".join(f" + {e}" for e in sorted(extras))
+        )
+        options.append((cost, name, fusion, plain, plain_reason, routes, allowed, extras, order))
     if not options:
         return None
-    chosen = min(options, key=lambda o: o[0])
-    fused = [o for o in options if o[2] is not None]
+    margin = 1 - UNFUSED_MIN_GAIN[0]
+    plain_options = [o for o in options if not o[7]]
+    chosen = min(plain_options or options, key=lambda o: o[0])
+    fused = [o for o in plain_options if o[2] is not None]
     if chosen[2] is None and fused:
         best_fused = min(fused, key=lambda o: o[0])
-        if chosen[0] > (1 - UNFUSED_MIN_GAIN[0]) * best_fused[0]:
+        if chosen[0] > margin * best_fused[0]:
             chosen = best_fused  # fusion off by noise only: keep fusing
-    cost, name, fusion, plain, plain_reason, routes, allowed = chosen
+    switched = [o for o in options if o[7]]
+    if switched:
+        best_switched = min(switched, key=lambda o: o[0])
+        if not plain_options or best_switched[0] < margin * chosen[0]:
+            chosen = best_switched  # an upstream switch on for a clear win only
+    cost, name, fusion, plain, plain_reason, routes, allowed, extras, chosen_order = chosen
     others = "; ".join(f"{o[1]} {o[0]:.2f}x" for o in options if o[1] != name)
     reasons = [
         *cap.reasons,
@@ -800,9 +899,20 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
         ),
         plain_reason,
     ]
+    for extra in sorted(extras):
+        sizes = [t for t, b in routes.items() if b == extra]
+        reasons.append(
+            f"{UPSTREAM_SWITCH_FLAGS[extra]} on from the tuning table: upstream's {extra} "
+            f"all-reduce serves [{size_ranges(sizes)}] tokens, ahead of what would serve them "
+            "(a clear win over the best plan without it)"
+        )
+
+    def taker_of(tokens: int) -> str | None:
+        return _taker(cells, chosen_order, tokens)
+
     displaced: dict[tuple[str, str], list[int]] = {}
     for tokens, backend in winners(table, prefer=None).items():
-        if backend not in allowed:
+        if backend not in allowed(tokens):
             displaced.setdefault((backend, routes[tokens]), []).append(tokens)
     for (backend, route), sizes in displaced.items():
         family = "sm120_pcie" if backend in SM120_PCIE_ROUTES else backend  # its fusion backend
@@ -812,26 +922,41 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             why = f"one fusion backend per server, this one {fusion or 'off'}"
         elif backend == "sm120_pcie_unfused":
             why = f"needs sgl-kernel-sm120 as the plain all-reduce, the plan uses {plain}"
-        elif custom_ar_first and backend in ("pcie_ipc", "nccl"):
+        elif backend in ("mscclpp", "torch_symm_mem") and backend not in extras | user_on:
+            blocker = _extras_blocker(d, backend)
+            why = f"{UPSTREAM_SWITCH_FLAGS[backend]} " + (
+                f"left off: {blocker}" if blocker else "not a clear win over the whole plan"
+            )
+        elif backend == "custom_ar" and not custom_ar_first:
+            why = (
+                "--disable-custom-all-reduce set"
+                if not d.custom_all_reduce
+                else "upstream builds custom all-reduce at TP2 or with NVLink only"
+            )
+        elif custom_ar_first and not custom_ar_timed and backend in ("pcie_ipc", "nccl"):
             why = "custom all-reduce would take a declined point, untimed"
         elif fusion == "trtllm" and plain != "pcie_ipc":
             why = "a declined trtllm point would run trtllm's own all-reduce"
         elif fusion == "trtllm" and not kernel_usable:
             why = "sgl-kernel-sm120 cannot run here: nothing declines a trtllm point"
-        elif backend in ("pcie_ipc", "nccl"):
+        elif fusion == "trtllm" and backend in UPSTREAM_BACKENDS:
+            why = "a trtllm point is declined to PCIe-IPC only (patch sm120_pcie_backend)"
+        elif backend in ("pcie_ipc", "nccl") and taker_of(sizes[0]) in (None, "pcie_ipc", "nccl"):
             why = "a server has one path for declined points, here " + (
-                "PCIe-IPC" if "pcie_ipc" in allowed else "NCCL"
+                "PCIe-IPC" if "pcie_ipc" in chosen_order else "NCCL"
             )
+        elif backend in (*UPSTREAM_BACKENDS, "pcie_ipc", "nccl"):
+            why = f"upstream offers an all-reduce of that size to {taker_of(sizes[0])} first"
         else:
             why = "not a backend this version runs"
         reasons.append(f"{backend} fastest at [{size_ranges(sizes)}] tokens ({why}): {route} there")
-    if custom_ar_first:
+    if custom_ar_first and not custom_ar_timed:
         reasons.append(
             "no size declined off the fusion backend: "
             + ("at TP2" if d.tp_size == 2 else "with NVLink")
             + " upstream's custom all-reduce takes a declined point (and an unfused server's "
-            "all-reduces) before PCIe-IPC and NCCL, and tune does not time it "
-            "(--disable-custom-all-reduce lets the table route sizes)"
+            "all-reduces) before PCIe-IPC and NCCL, and this table did not time it (`tune` "
+            "times it now; --disable-custom-all-reduce lets the table route sizes)"
         )
     pcie = [t for t, b in routes.items() if b == "pcie_ipc"]
     if pcie and fusion == "trtllm":
@@ -847,7 +972,10 @@ def _plan_from_table(cap: Capability, facts: HostFacts, d: Deployment) -> AllRed
             "ones stay on our kernel), as is any all-reduce that our kernel declines and that "
             "fits PCIe-IPC's workspace"
         )
-    plan = AllReducePlan(True, fusion, plain, tuple(reasons), tuple(routes.items()))
+    switches = tuple(UPSTREAM_SWITCH_FIELDS[e] for e in sorted(extras))
+    plan = AllReducePlan(
+        True, fusion, plain, tuple(reasons), tuple(routes.items()), upstream_switches=switches
+    )
     # One route per run of sizes with the same backend (its largest size): route_at answers
     # the same, and launcher and workers hold the same plan, whose JSON stays small.
     runs = tuple((last, backend) for _, last, backend in plan.route_ranges())

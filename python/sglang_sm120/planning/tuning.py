@@ -13,6 +13,17 @@ Backends, as measured (each is one all-reduce + residual add + RMSNorm point of 
     sm120_pcie_unfused  sgl-kernel-sm120 all-reduce, then a separate add + RMSNorm (where this
                   wins by UNFUSED_MIN_GAIN, the plan declines the fused point and serves
                   SGLang's all-reduce)
+    custom_ar     upstream's custom all-reduce (CustomAllreduce, v2 where it applies), then a
+                  separate add + RMSNorm; upstream builds it at TP2 over PCIe or with NVLink
+    mscclpp       upstream's MSCCL++ all-reduce (PyMscclppCommunicator, --enable-mscclpp), then
+                  a separate add + RMSNorm; where the ``mscclpp`` package imports, TP 4-64
+    torch_symm_mem  upstream's torch symmetric-memory all-reduce (--enable-torch-symm-mem), then
+                  a separate add + RMSNorm; SM90/SM100 with multicast only
+
+The three upstream communicators take only the sizes their own checks accept (custom
+all-reduce up to 8 MiB, MSCCL++ where it has a tuned configuration, torch symmetric memory
+below its size limit); ``tune`` writes a cell they decline as ``us=None`` with a note starting
+with DECLINES, and SGLang's next communicator serves that size (``policy``).
 
 Example::
 
@@ -26,7 +37,7 @@ import fnmatch
 import json
 import math
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,12 +53,27 @@ from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.machine.topology import MAX_TP_SIZE
 from sglang_sm120.strict_json import fields, read_json_file, require, require_list
 
-BACKENDS = ("nccl", "pcie_ipc", "trtllm", "sm120_pcie", "sm120_pcie_unfused")  # as measured
+# Upstream's own communicators, each served by SGLang's all-reduce when its switch is on.
+UPSTREAM_BACKENDS = ("custom_ar", "mscclpp", "torch_symm_mem")
+BACKENDS = (
+    "nccl",
+    "pcie_ipc",
+    "trtllm",
+    "sm120_pcie",
+    "sm120_pcie_unfused",
+    *UPSTREAM_BACKENDS,
+)  # as measured
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
-TABLE_VERSION = 2  # 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale
-# A table of every size 1..2048 for the five backends takes ~1.2 MiB as `tune` writes it.
+# 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale. The upstream backends
+# did not bump it: a table of 2 without them is still right about what it measured, and the
+# policy treats a backend a table lacks as unmeasured (as before they existed).
+TABLE_VERSION = 2
+# A table of every size 1..2048 for the eight backends takes ~2 MiB as `tune` writes it.
 TABLE_MAX_BYTES = 16 << 20
-MAX_ROWS = 1 << 16  # 2048 sizes x 5 backends is ~10k
+MAX_ROWS = 1 << 16  # 2048 sizes x 8 backends is ~16k
+# The note of a cell whose upstream communicator does not take that size (its own check said
+# no): SGLang hands such an all-reduce to the next communicator in its order.
+DECLINES = "declines this size: "
 MAX_TOKENS = 1 << 20
 MAX_HIDDEN = 1 << 20
 MAX_TEXT = 1000  # a note: an exception's message, cut at 300 characters by `tune`
@@ -196,18 +222,20 @@ def correct_times(table: TuningTable) -> dict[tuple[str, int], float]:
 
 def winners(
     table: TuningTable,
-    allowed: Collection[str] | None = None,
+    allowed: Collection[str] | Callable[[int], Collection[str]] | None = None,
     *,
     prefer: str | None,
 ) -> dict[int, str]:
     """Per measured token count, the fastest backend whose result was correct, among
-    ``allowed`` (default: all). The fused backend ``prefer`` keeps a size unless another
-    backend beats it by UNFUSED_MIN_GAIN (None: plain fastest). A token count where no allowed
-    backend ran correctly is left out."""
+    ``allowed`` (default: all; a function of the token count where what a server can run
+    depends on the size, as upstream's communicators each take some sizes). The fused backend
+    ``prefer`` keeps a size unless another backend beats it by UNFUSED_MIN_GAIN (None: plain
+    fastest). A token count where no allowed backend ran correctly is left out."""
     best: dict[int, tuple[str, float]] = {}
     preferred: dict[int, float] = {}
     for (backend, tokens), us in correct_times(table).items():
-        if allowed is not None and backend not in allowed:
+        ok = allowed(tokens) if callable(allowed) else allowed
+        if ok is not None and backend not in ok:
             continue
         if backend == prefer:
             preferred[tokens] = us

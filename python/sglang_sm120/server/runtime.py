@@ -397,6 +397,9 @@ def deployment_from_view(view: Any) -> Deployment:
         ray=bool(view.use_ray),
         disaggregation=view.disaggregation_mode not in (None, "null"),
         custom_all_reduce=not view.disable_custom_all_reduce,
+        enable_mscclpp=bool(view.enable_mscclpp),
+        enable_torch_symm_mem=bool(view.enable_torch_symm_mem),
+        enable_symm_mem=bool(view.enable_symm_mem),
         any_arch=validation_mode(),
     )
     tp_here, pp_here = deployment.ranks_per_node()

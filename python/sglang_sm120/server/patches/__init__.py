@@ -11,6 +11,7 @@
 | workspace_preflight  | trtllm workspace sizing (multicast query)    | preflight passes on PCIe   |
 | pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
 | allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
+| upstream_switches    | parallel_state.set_mscclpp (+ torch symm mem) | table's AR switches on |
 | sm120_pcie_backend   | FlashInfer fusion entry points               | fused points -> our kernel |
 | peer_check           | SchedulerOutputStreamer.stream_output        | no output after a timeout  |
 | graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
@@ -35,6 +36,7 @@ from sglang_sm120.server.patches import (
     resolve_backend,
     sm120_pcie_backend,
     status_line,
+    upstream_switches,
     workspace_preflight,
 )
 
@@ -48,6 +50,7 @@ PATCHES = (
     workspace_preflight,
     pcie_ipc_enable,
     allreduce_precedence,
+    upstream_switches,
     sm120_pcie_backend,
     peer_check,
     graph_stats,
