@@ -52,10 +52,12 @@ from sglang_sm120.planning.tuning import (
     BACKENDS,
     SM120_PCIE_ROUTES,
     UNFUSED_MIN_GAIN,
+    NcclEnv,
     TuningTable,
     correct_times,
     excluded,
     size_ranges,
+    variant_env,
     winners,
 )
 from sglang_sm120.strict_json import FieldError, fields, require, require_list, shown
@@ -205,6 +207,10 @@ class AllReducePlan:
     plain_allreduce: str
     reasons: tuple[str, ...] = field(default=())
     routes: tuple[tuple[int, str], ...] = field(default=())
+    # The NCCL_* variables the TP workers set before NCCL starts, unless the user set any of
+    # them (``planning.nccl_settings.tuned_nccl_env``), and why; "" where no table spoke.
+    nccl_env: NcclEnv = field(default=())
+    nccl_reason: str = ""
 
     def route_at(self, tokens: int) -> str | None:
         """The backend that serves a fused point of ``tokens`` rows: the fusion backend
@@ -266,6 +272,8 @@ class AllReducePlan:
             "plain_allreduce": self.plain_allreduce,
             "reasons": list(self.reasons),
             "routes": [list(run) for run in self.route_ranges()],
+            "nccl_env": dict(self.nccl_env),
+            "nccl_reason": self.nccl_reason,
         }
 
     @classmethod
@@ -282,6 +290,10 @@ class AllReducePlan:
             ),
             reasons=_reasons(data, "plan"),
             routes=_routes_from_ranges(require(data, "routes", list, "plan", limit=MAX_ROUTES)),
+            nccl_env=variant_env(
+                require(data, "nccl_env", dict, "plan", default={}), "plan.nccl_env"
+            ),
+            nccl_reason=require(data, "nccl_reason", str, "plan", limit=4000, default=""),
         )
 
     def route_ranges(self) -> list[tuple[int, int, str]]:
@@ -298,8 +310,11 @@ class AllReducePlan:
 
     def summary(self) -> str:
         fusion = self.fusion_backend or "off"
-        return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(
-            self.reasons
+        nccl = f"; {self.nccl_reason}" if self.nccl_reason else ""
+        return (
+            f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; "
+            + "; ".join(self.reasons)
+            + nccl
         )
 
 
