@@ -525,13 +525,14 @@ def variant_environment(env: NcclEnv) -> Iterator[None]:
 
 
 def _spawn_variant(settings: TuneSettings, env: NcclEnv) -> list[list[Any]]:
-    """One variant's rows (backend, tokens, us, correct, note), from fresh rank processes."""
+    """One variant's rows (backend, tokens, us, correct, note), from fresh rank processes,
+    which inherit the variant's environment (``variant_environment``)."""
     import json
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp, variant_environment(env):
+    with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         init = str(Path(tmp) / "init")
         mp.spawn(_rank_main, args=(settings, init, str(result), True), nprocs=settings.tp)
@@ -549,7 +550,9 @@ def measure_variants(
     notes = []
     for env in NCCL_VARIANTS:
         try:
-            cells = {int(t): (us, ok, note) for _, t, us, ok, note in spawn(settings, env)}
+            with variant_environment(env):
+                measured = spawn(settings, env)
+            cells = {int(t): (us, ok, note) for _, t, us, ok, note in measured}
         except Exception as exc:  # one variant failing must not hide the others
             why = f"failed: {type(exc).__name__}: {exc}"[:300]
             cells = {t: (None, False, why) for t in settings.tokens}
