@@ -26,7 +26,7 @@ from sglang_sm120.commands.plan import facts_lines, plan_for_args, plan_lines
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import HostFindings, format_checks
 from sglang_sm120.planning.levers import allreduce_levers, lever_lines
-from sglang_sm120.planning.nccl_settings import nccl_warnings, warning_lines
+from sglang_sm120.planning.nccl_settings import nccl_env_to_apply, nccl_warnings, warning_lines
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.version import SGLANG_PIN, __version__
 
@@ -257,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
         levers = allreduce_levers(facts, deployment, plan, fusion_archs(), mscclpp_imports())
         nccl = nccl_warnings(os.environ, facts, deployment, plan)
+        nccl_set, nccl_line = nccl_env_to_apply(plan, os.environ)  # what a TP worker here sets
         state = _plugin_state(worker)
     progress("reading the kernel images ...")
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
@@ -270,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         "plan": {**plan.to_json(), "tp": tp_size},
         "allreduce_options": [lever.to_json() for lever in levers],
         "nccl_warnings": [warning.to_json() for warning in nccl],
+        "nccl_env": {"tuned": dict(plan.nccl_env), "set": dict(nccl_set), "why": nccl_line},
         **state,
         "kill_switch": plugin_disabled(),
         "validation_mode": validation_mode(),
@@ -315,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
     lines += plan_lines(plan, tp_size)
     lines += lever_lines(levers)
     lines += warning_lines(nccl)
+    lines.append(f"in a TP worker with this environment: {nccl_line}")
     lines += _coverage_lines(coverage)
     lines += _variable_lines(variables)
     print("\n".join(lines))
