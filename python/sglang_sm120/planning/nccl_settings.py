@@ -300,6 +300,17 @@ def _variant_problem(
     return rule_problem
 
 
+def _rule_against(env: NcclEnv, launch: Launch) -> str | None:
+    """What doctor would warn about ``env`` for this launch (``NCCL_RULES``), or None."""
+    values = dict(env)
+    for rule in NCCL_RULES:
+        if rule.variable in values:
+            problem = rule.problem(values[rule.variable], launch)
+            if problem is not None:
+                return f"doctor would warn: {problem}"
+    return None
+
+
 def tuned_nccl_env(
     table: TuningTable | None, facts: HostFacts, d: Deployment, plan: AllReducePlan
 ) -> tuple[NcclEnv, str]:
@@ -307,7 +318,7 @@ def tuned_nccl_env(
     measured, that was correct at every size, ran at every size the plan leaves on NCCL
     (captured in a CUDA graph) and beats NCCL's defaults there by NCCL_MIN_GAIN (geometric
     mean of the time ratios, and the mean saving); none otherwise. A variant that one of
-    ``NCCL_RULES`` would warn about for this launch is never chosen. ("", "") without a table."""
+    ``NCCL_RULES`` would warn about for this launch is never chosen. ((), "") without a table."""
     if table is None or d.tp_size <= 1 or not plan.managed:
         return (), ""
     if d.deterministic:
@@ -333,16 +344,7 @@ def tuned_nccl_env(
     for env, rows in by_env.items():
         if not env:
             continue
-        rule = next(
-            (
-                f"doctor would warn: {found}"
-                for r in NCCL_RULES
-                if r.variable in dict(env)
-                and (found := r.problem(dict(env)[r.variable], launch)) is not None
-            ),
-            None,
-        )
-        problem = _variant_problem(rows, sizes, rule)
+        problem = _variant_problem(rows, sizes, _rule_against(env, launch))
         if problem is not None:
             dropped.append(f"{variant_name(env)} ({problem})")
             continue
