@@ -33,5 +33,8 @@ def test_tune_writes_a_checked_table(tp, tmp_path, monkeypatch):
     loaded, note = load_table(current_facts(), tp, 2048, "bfloat16")
     if table.ranks_share_gpu:
         assert loaded is None and "sharing one GPU" in note
+        assert table.nccl_variants and all(
+            m.us is None and "one per rank" in m.note for m in table.nccl_variants
+        )
     else:
         assert loaded == table

@@ -40,3 +40,25 @@ def test_every_backend_is_correct_over_the_interconnect(tp, tmp_path, monkeypatc
             assert not cells and said == [f"{backend}: {refused[backend]}"], (cells, said)
         else:
             assert cells or (said and said[0].startswith(f"{backend}: unavailable")), said
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_nccl_variants_run_in_fresh_processes_and_keep_their_reasons(tp, tmp_path, monkeypatch):
+    """Every variant has a row at every size: timed under capture and correct, or its reason
+    (a variant NCCL cannot capture is excluded, never dropped); NCCL's default runs correct."""
+    if GPUS < tp:
+        pytest.skip(f"needs {tp} GPUs, {GPUS} visible")
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NCCL_PROTO", "Simple")  # the user's: the default must not inherit it
+    from sglang_sm120.commands.tune import TuneSettings, format_table, run_tune
+    from sglang_sm120.planning.tuning import NCCL_VARIANTS
+
+    tokens = (1, 64, 1024)
+    table, _ = run_tune(TuneSettings(tp=tp, tokens=tokens, calls=5, replays=3))
+    print(format_table(table))
+    cells = {(m.env, m.tokens): m for m in table.nccl_variants}
+    assert set(cells) == {(env, t) for env in NCCL_VARIANTS for t in tokens}
+    assert all(cells[((), t)].correct and cells[((), t)].us for t in tokens)
+    for m in table.nccl_variants:
+        assert (m.us is not None and m.correct) or m.note, m
+    assert any("LL128" in note for note in table.notes)

@@ -147,6 +147,16 @@ def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
     assert report["patches"].pop("dp_controller_launch_plan") == (
         "needed in the DP controller (doctor starts no such process)"
     )
+    # doctor's worker check starts with no launch plan; doctor's own nccl_env says what a
+    # launched worker would set.
+    assert report["patches"].pop("nccl_tuned_env") == (
+        "not needed (nccl env: none (no plan from the launcher))"
+    )
+    assert report["nccl_env"] == {
+        "tuned": {},
+        "set": {},
+        "why": "nccl env: none (no tuning table)",
+    }
     assert set(report["patches"].values()) == {"applied"}
     assert stats == "not needed (SGLANG_SM120_STATS_DIR unset)"
     assert report["plan"]["plain_allreduce"] == "pcie_ipc"

@@ -5,11 +5,14 @@ SGLang's own processes, started the way SGLang starts them (UPSTREAM.md section 
 
 Checked from the server log: one status line in the launcher and in each TP worker that got as
 far as logging, the launcher's plan and the same plan (reasons, tuning-table routes) in every
-worker, no "requested" unless requested, and the user's switches honoured.
+worker, no "requested" unless requested, and the user's switches honoured. The tuned NCCL
+variant is checked inside the worker itself: a second plugin (``nccl_env_probe``) records the
+worker's NCCL_* when SGLang calls ``init_distributed_environment``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,9 +34,14 @@ PLAN = re.compile(
 
 
 def launch(
-    command: list[str], model_dir: Path, env: dict[str, str], extra: tuple[str, ...] = ()
+    command: list[str],
+    model_dir: Path,
+    env: dict[str, str],
+    extra: tuple[str, ...] = (),
+    until: str = "Found no NVIDIA driver",
 ) -> str:
-    """Run a server launch to its CUDA-init failure; returns its whole log."""
+    """Run a server launch to its CUDA-init failure (or to what ``until`` names); returns its
+    whole log."""
     full_env = {**os.environ, "SGLANG_SM120_TOPOLOGY": PROFILE, **env}
     for name in (
         "SGLANG_SM120_DISABLE",
@@ -57,7 +65,7 @@ def launch(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert "Found no NVIDIA driver" in log, log[-4000:]
+    assert until in log, log[-4000:]
     return log
 
 
@@ -183,3 +191,76 @@ def test_a_table_of_every_size_reaches_the_workers(deepseek, tmp_path):
     )
     assert plan.startswith("fusion=sm120_pcie, plain all-reduce=sm120_pcie; "), plan
     assert "from the tuning table: sm120_pcie at [1-" in plan and "-2048] tokens" in plan
+
+
+def nccl_launch(deepseek: Path, tmp_path: Path, user_env: dict[str, str]) -> tuple[str, list[dict]]:
+    """A TP2 launch whose tuning table leaves every size on NCCL and measured NCCL_PROTO=LL
+    clearly faster than NCCL's default, with a second plugin (``nccl_env_probe``) recording each
+    TP worker's NCCL_* at SGLang's ``init_distributed_environment``. Returns (log, records)."""
+    from nccl_env_probe import PROBE_DIR_ENV, STOP, install
+    from sglang_sm120.planning.tuning import VariantMeasurement
+
+    fingerprint = host_fingerprint(load_profile(PROFILE), 2)
+    rows = [Measurement("trtllm", t, us, True) for t, us in ((4, 50.0), (64, 80.0))]
+    rows += [Measurement("nccl", t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
+    ll = (("NCCL_PROTO", "LL"),)
+    variants = [VariantMeasurement((), t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
+    variants += [VariantMeasurement(ll, t, us, True) for t, us in ((4, 12.0), (64, 20.0))]
+    cache, probe, plugin = tmp_path / "cache", tmp_path / "probe", tmp_path / "plugin"
+    probe.mkdir()
+    install(plugin)
+    os.environ["SGLANG_SM120_CACHE_DIR"] = str(cache)
+    try:
+        save_table(
+            TuningTable(
+                fingerprint, 2, 7168, "bfloat16", tuple(rows), nccl_variants=tuple(variants)
+            )
+        )
+    finally:
+        del os.environ["SGLANG_SM120_CACHE_DIR"]
+    path = os.pathsep.join(
+        [str(plugin), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    )
+    env = {
+        "SGLANG_SM120_CACHE_DIR": str(cache),
+        "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE": "0",
+        "PYTHONPATH": path,
+        PROBE_DIR_ENV: str(probe),
+        **user_env,
+    }
+    command = [sys.executable, "-m", "sglang.launch_server"]
+    log = launch(command, deepseek, env, extra=("--disable-custom-all-reduce",), until=STOP)
+    records = [json.loads(f.read_text()) for f in sorted(probe.iterdir())]
+    assert records, f"no TP worker reached init_distributed_environment:\n{log[-4000:]}"
+    return log, records
+
+
+def test_a_tuned_nccl_variant_is_in_the_workers_environment_before_nccl_starts(deepseek, tmp_path):
+    log, records = nccl_launch(deepseek, tmp_path, {})
+    for record in records:
+        assert record["env"] == {
+            "NCCL_PROTO": "LL",
+            "NCCL_ALGO": None,
+            "NCCL_MAX_NCHANNELS": None,
+            "NCCL_MIN_NCHANNELS": None,
+        }
+    status, plans = lines_of(log)
+    assert (
+        "nccl env NCCL_PROTO=LL from the tuning table: 0.63x NCCL's default" in plans["launcher"][0]
+    )
+    for worker in (p for p in status if p.startswith("TP")):
+        assert "nccl_tuned_env=applied" in status[worker][0]
+        assert "; nccl env: NCCL_PROTO=LL set before NCCL starts; " in status[worker][0]
+
+
+def test_the_users_own_nccl_proto_wins_in_the_worker(deepseek, tmp_path):
+    log, records = nccl_launch(deepseek, tmp_path, {"NCCL_PROTO": "Simple"})
+    assert all(record["env"]["NCCL_PROTO"] == "Simple" for record in records)
+    status, _ = lines_of(log)
+    workers = [p for p in status if p.startswith("TP")]
+    assert workers, log[-4000:]
+    for worker in workers:
+        assert (
+            "nccl_tuned_env=not needed (nccl env: tuned NCCL_PROTO=LL not set: the user's "
+            "NCCL_PROTO='Simple' wins)" in status[worker][0]
+        )

@@ -3,10 +3,20 @@ row checked against the NCCL documentation its source names (planning/nccl_setti
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from sglang_sm120.machine.cache import host_fingerprint
 from sglang_sm120.machine.facts import load_profile
-from sglang_sm120.planning.nccl_settings import NCCL_RULES, nccl_warnings, warning_lines
-from sglang_sm120.planning.policy import Deployment, plan_allreduce
+from sglang_sm120.planning.nccl_settings import (
+    NCCL_RULES,
+    nccl_env_to_apply,
+    nccl_warnings,
+    tuned_nccl_env,
+    warning_lines,
+)
+from sglang_sm120.planning.policy import AllReducePlan, Deployment, plan_allreduce
+from sglang_sm120.planning.tuning import Measurement, TuningTable, VariantMeasurement
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 
 KIMI = "KimiK25ForConditionalGeneration"
@@ -80,3 +90,127 @@ def test_warnings_show_the_value_the_fix_and_the_source():
     )
     assert "NCCL User Guide, Environment Variables: NCCL_P2P_DISABLE" in lines[1]
     assert lines[2].startswith("  NCCL_ALGO='Tree': ")
+
+
+# ---------------------------------------------- the NCCL variant a plan applies (issue 25 2c)
+
+LL, LL128, SIMPLE = (("NCCL_PROTO", "LL"),), (("NCCL_PROTO", "LL128"),), (("NCCL_PROTO", "Simple"),)
+TREE, RING, FEW = (("NCCL_ALGO", "Tree"),), (("NCCL_ALGO", "Ring"),), (("NCCL_MAX_NCHANNELS", "4"),)
+SIZES = (8, 512)
+DEFAULT_US = {8: 20.0, 512: 30.0}
+
+
+def variant_rows(times: dict) -> tuple[VariantMeasurement, ...]:
+    """{env: us per SIZES (None: failed, with the note), or (us, correct)} -> table rows."""
+    rows = [VariantMeasurement((), t, DEFAULT_US[t], True) for t in SIZES]
+    for env, cells in times.items():
+        for t, cell in zip(SIZES, cells, strict=True):
+            us, correct = cell if isinstance(cell, tuple) else (cell, cell is not None)
+            note = "" if us is not None else "failed: RuntimeError: CUDA graph capture invalidated"
+            rows.append(VariantMeasurement(env, t, us, correct, note))
+    return tuple(rows)
+
+
+def tuned(times: dict, nccl_wins: bool = True, **deployment):
+    """(env, reason) on 8x SM120 at TP8 whose table leaves every size on NCCL (fusion off,
+    plain NCCL), or none of them (``nccl_wins`` False: trtllm fastest everywhere)."""
+    facts = load_profile(PCIE)
+    fused = 5.0 if nccl_wins else 1.0
+    rows = [Measurement("trtllm", t, fused * DEFAULT_US[t], True) for t in SIZES]
+    rows += [Measurement("nccl", t, DEFAULT_US[t], True) for t in SIZES]
+    table = TuningTable(
+        host_fingerprint(facts, 8),
+        8,
+        7168,
+        "bfloat16",
+        tuple(rows),
+        nccl_variants=variant_rows(times),
+    )
+    d = Deployment(tp_size=8, model_arch=KIMI, pcie_ipc_env=False, tuning=table, **deployment)
+    plan = plan_allreduce(facts, d, FUSION_ARCHS)
+    return tuned_nccl_env(table, facts, d, plan)
+
+
+def test_a_variant_clearly_faster_where_nccl_serves_is_chosen_with_its_numbers():
+    env, reason = tuned({LL: (12.0, 20.0), RING: (19.0, 29.0)})
+    assert env == LL
+    assert reason.startswith("nccl env NCCL_PROTO=LL from the tuning table: 0.63x NCCL's default")
+    assert "at [8, 512] tokens" in reason and "NCCL_ALGO=Ring 0.96x" in reason
+
+
+def test_a_variant_within_noise_of_the_default_is_not_chosen():
+    """Under UNFUSED_MIN_GAIN (3% and 0.5 us) NCCL's own per-size choice stays."""
+    env, reason = tuned({RING: (19.6, 29.4), LL: (19.9, 29.9)})
+    assert env == ()
+    assert reason.startswith("nccl env: none (no NCCL variant beats NCCL's default by 3%")
+    assert "NCCL_ALGO=Ring 0.98x" in reason
+
+
+def test_a_variant_that_failed_capture_is_excluded_with_its_reason():
+    env, reason = tuned({FEW: (5.0, None), LL: (15.0, 25.0)})
+    assert env == LL
+    assert (
+        "excluded: NCCL_MAX_NCHANNELS=4 (at 512 tokens: failed: RuntimeError: CUDA graph "
+        "capture invalidated)" in reason
+    )
+
+
+def test_a_variant_wrong_at_any_size_is_excluded():
+    env, reason = tuned({LL: ((5.0, False), 10.0)})
+    assert env == () and "NCCL_PROTO=LL (wrong at [8] tokens)" in reason
+
+
+@pytest.mark.parametrize(
+    ("variant", "rule"),
+    [(TREE, "capture failed this way"), (LL128, "may not use LL"), (SIMPLE, "may not use LL")],
+)
+def test_a_variant_doctor_would_warn_about_is_never_chosen(variant, rule):
+    """NCCL_ALGO=Tree under CUDA graphs, and a protocol without LL where decode/verify reach
+    NCCL: the warnings table (NCCL_RULES) says why, whatever tune timed."""
+    env, reason = tuned({variant: (5.0, 10.0)})
+    assert env == () and "doctor would warn" in reason and rule in reason
+
+
+def test_no_variant_where_no_measured_size_stays_on_nccl():
+    env, reason = tuned({LL: (5.0, 10.0)}, nccl_wins=False)
+    assert (env, reason) == ((), "nccl env: none (no measured size stays on NCCL in this plan)")
+
+
+def test_deterministic_inference_keeps_sglangs_own_nccl_settings():
+    env, reason = tuned({LL: (5.0, 10.0)}, deterministic=True)
+    assert env == () and "SGLang pins NCCL_ALGO" in reason
+
+
+def test_a_table_without_variants_says_to_re_run_tune():
+    facts = load_profile(PCIE)
+    rows = tuple(Measurement("nccl", t, DEFAULT_US[t], True) for t in SIZES)
+    table = TuningTable(host_fingerprint(facts, 8), 8, 7168, "bfloat16", rows, version=2)
+    d = Deployment(tp_size=8, model_arch=KIMI, pcie_ipc_env=False, tuning=table)
+    env, reason = tuned_nccl_env(table, facts, d, plan_allreduce(facts, d, FUSION_ARCHS))
+    assert env == () and "re-run tune" in reason
+
+
+PLAN_WITH_LL = AllReducePlan(True, None, "nccl", ("r",), ((512, "nccl"),), LL, "nccl env LL ...")
+
+
+@pytest.mark.parametrize(
+    ("environ", "applied", "line"),
+    [
+        ({}, LL, "nccl env: NCCL_PROTO=LL set before NCCL starts; nccl env LL ..."),
+        ({"NCCL_PROTO": "Simple"}, (), "the user's NCCL_PROTO='Simple' wins"),
+        ({"NCCL_MIN_NCHANNELS": "8"}, (), "the user's NCCL_MIN_NCHANNELS='8' wins"),
+        ({"NCCL_P2P_LEVEL": "SYS"}, LL, "NCCL_PROTO=LL set"),  # not one NCCL weighs with them
+    ],
+)
+def test_the_users_own_nccl_tuning_wins_over_the_plans(environ, applied, line):
+    env, said = nccl_env_to_apply(PLAN_WITH_LL, environ)
+    assert env == applied and line in said
+
+
+def test_the_published_plan_carries_its_nccl_env_and_refuses_another():
+    data = PLAN_WITH_LL.to_json()
+    assert data["nccl_env"] == {"NCCL_PROTO": "LL"}
+    assert AllReducePlan.from_json(json.loads(json.dumps(data))) == PLAN_WITH_LL
+    data["nccl_env"] = {"NCCL_PROTO": "LL; rm -rf /"}
+    with pytest.raises(ValueError, match=r"plan\.nccl_env\.NCCL_PROTO"):
+        AllReducePlan.from_json(data)

@@ -36,7 +36,12 @@ ALL_PATCHES = {patch_name(m) for m in PATCHES}
 # Without sgl-kernel-sm120 these two say "not needed (sgl-kernel-sm120 is not installed)".
 KERNEL_PATCHES = {"sm120_pcie_backend", "peer_check"}
 # The patches a TP worker registers; the others serve the processes that spawn schedulers.
-BEHAVIOUR_PATCHES = {patch_name(m) for m in PATCHES if "scheduler" in m.ROLES} - {"graph_stats"}
+# graph_stats is opt-in; nccl_tuned_env has something to set only with a tuning table's NCCL
+# variant (test_launch_rehearsal proves it in a real worker).
+BEHAVIOUR_PATCHES = {patch_name(m) for m in PATCHES if "scheduler" in m.ROLES} - {
+    "graph_stats",
+    "nccl_tuned_env",
+}
 
 
 def expected_worker_statuses() -> dict[str, str]:
@@ -160,6 +165,7 @@ def test_pcie_x8_profile_gets_planned_backends(model_dirs, arch):
         n: s for n, s in result["patches"].items() if n in BEHAVIOUR_PATCHES
     } == expected_worker_statuses()
     assert result["patches"]["graph_stats"] == "not needed (SGLANG_SM120_STATS_DIR unset)"
+    assert result["patches"]["nccl_tuned_env"] == "not needed (nccl env: none (no tuning table))"
     assert result["fusion_backend"] == {"2": "trtllm", "4": None, "8": None}
     assert result["ar_fusion_applies"] == {"2": True, "4": False, "8": False}
     assert result["pcie_ipc_eligible"] == {"2": True, "4": True, "8": True}

@@ -16,6 +16,7 @@ from sglang_sm120.machine.facts import load_profile
 from sglang_sm120.planning.tuning import (
     Measurement,
     TuningTable,
+    VariantMeasurement,
     load_table,
     save_table,
     winners,
@@ -347,3 +348,115 @@ def test_a_table_written_before_the_upstream_backends_still_loads():
     save_table(table)
     loaded, reason = load_table(PCIE8, 8, 7168, "bfloat16")
     assert loaded == table, reason
+
+
+# ------------------------------------------------------------------ NCCL variants (issue 25 2b)
+
+LL = (("NCCL_PROTO", "LL"),)
+TREE = (("NCCL_ALGO", "Tree"),)
+
+
+def test_a_table_keeps_its_nccl_variants_through_the_file():
+    variants = (
+        VariantMeasurement((), 64, 30.0, True),
+        VariantMeasurement(LL, 64, 20.0, True),
+        VariantMeasurement(TREE, 64, None, False, "failed: RuntimeError: capture"),
+    )
+    save_table(dataclasses.replace(make_table(), nccl_variants=variants))
+    table, _ = load_table(PCIE8, 8, 7168, "bfloat16")
+    assert table is not None and table.nccl_variants == variants
+
+
+def test_a_version_2_table_still_serves_its_backends_without_variants(cache):
+    """Tables written before NCCL variants: their backend times still hold."""
+    path = save_table(make_table())
+    data = json.loads(path.read_text())
+    data["version"] = 2
+    del data["nccl_variants"]
+    path.write_text(json.dumps(data))
+    table, _ = load_table(PCIE8, 8, 7168, "bfloat16")
+    assert table is not None and table.nccl_variants == () and table.version == 2
+    data["version"] = 1
+    path.write_text(json.dumps(data))
+    assert "stale" in load_table(PCIE8, 8, 7168, "bfloat16")[1]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NCCL_PROTO": "LL,Simple"}, "nccl_variants[0].env.NCCL_PROTO"),
+        ({"NCCL_MAX_NCHANNELS": "0"}, "channel count 1..64"),
+        ({"NCCL_P2P_DISABLE": "1"}, "unknown key 'NCCL_P2P_DISABLE'"),
+    ],
+)
+def test_a_variant_tune_does_not_measure_makes_the_table_unreadable(cache, env, message):
+    """A worker sets these values in its environment: only what tune measures may get there."""
+    path = save_table(make_table())
+    data = json.loads(path.read_text())
+    data["nccl_variants"] = [{"env": env, "tokens": 1, "us": 1.0, "correct": True, "note": ""}]
+    path.write_text(json.dumps(data))
+    table, note = load_table(PCIE8, 8, 7168, "bfloat16")
+    assert table is None and "unreadable" in note and message in note, note
+
+
+def test_a_variant_that_fails_as_a_whole_keeps_its_reason_and_the_others_run(monkeypatch):
+    from sglang_sm120.commands.tune import NCCL_VARIANTS, TuneSettings, measure_variants
+
+    monkeypatch.setenv("NCCL_PROTO", "Simple")  # the user's: not the default's, not kept
+    seen = []
+
+    def spawn(settings, env):
+        seen.append((env, os.environ.get("NCCL_PROTO"), os.environ.get("NCCL_ALGO")))
+        if env == TREE:
+            raise RuntimeError("process 0 terminated with exit code 1")
+        if env == LL:  # the graph capture failed in the ranks: their row says so
+            return [["nccl", 8, None, False, "failed: RuntimeError: operation not permitted"]]
+        return [["nccl", 8, 9.0, True, ""]]
+
+    rows, notes = measure_variants(TuneSettings(tp=2, tokens=(8,)), spawn)
+    assert [env for env, _, _ in seen] == list(NCCL_VARIANTS)
+    assert seen[0][1:] == (None, None) and (LL, "LL", None) in seen and (TREE, None, "Tree") in seen
+    assert os.environ["NCCL_PROTO"] == "Simple" and "NCCL_ALGO" not in os.environ
+    by_env = {m.env: m for m in rows}
+    assert by_env[TREE] == VariantMeasurement(
+        TREE, 8, None, False, "failed: RuntimeError: process 0 terminated with exit code 1"
+    )
+    assert by_env[LL].us is None and "operation not permitted" in by_env[LL].note
+    assert by_env[()] == VariantMeasurement((), 8, 9.0, True, "")
+    assert any("LL128" in n for n in notes)
+
+
+def test_one_shared_gpu_reports_every_variant_not_measured():
+    from sglang_sm120.commands.tune import NCCL_VARIANTS, TuneSettings, variants_not_measured
+
+    rows = variants_not_measured(TuneSettings(tp=4, tokens=(1, 2)))
+    assert len(rows) == 2 * len(NCCL_VARIANTS)
+    assert all(
+        m.us is None and m.note == "n/a: needs 4 GPUs, one per rank (ranks share one here)"
+        for m in rows
+    )
+
+
+def test_tune_tp8_variants_are_estimated_under_ten_minutes():
+    from sglang_sm120.commands.tune import TuneSettings, estimate_line, variants_estimate_s
+
+    settings = TuneSettings(tp=8)
+    assert variants_estimate_s(settings) < 600
+    assert "7 NCCL variants (default, NCCL_PROTO=LL," in estimate_line(settings)
+    assert "each in 8 fresh processes over 12 token counts: about" in estimate_line(settings)
+
+
+def test_printed_table_shows_the_variants_and_why_one_is_excluded():
+    from sglang_sm120.commands.tune import format_table
+
+    variants = (
+        VariantMeasurement((), 8, 30.0, True),
+        VariantMeasurement(LL, 8, 20.0, True),
+        VariantMeasurement(TREE, 8, None, False, "failed: capture invalidated"),
+    )
+    text = format_table(dataclasses.replace(make_table(), nccl_variants=variants))
+    lines = text.splitlines()
+    head = lines.index("NCCL variants (nccl, each in fresh processes):")
+    assert lines[head + 1].split() == ["tokens", "default", "PROTO=LL", "ALGO=Tree"]
+    assert lines[head + 2].split() == ["8", "30.0", "20.0", "n/a"]
+    assert "excluded: NCCL_ALGO=Tree at 1 size(s): failed: capture invalidated" in lines

@@ -32,7 +32,7 @@ from sglang_sm120.commands.plugin_check import (
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import HostFindings, format_checks
 from sglang_sm120.planning.levers import allreduce_levers, lever_lines
-from sglang_sm120.planning.nccl_settings import nccl_warnings, warning_lines
+from sglang_sm120.planning.nccl_settings import nccl_env_to_apply, nccl_warnings, warning_lines
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 from sglang_sm120.version import SGLANG_PIN, __version__
@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
         levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp_imports())
         nccl = nccl_warnings(os.environ, facts, deployment, plan)
+        nccl_set, nccl_line = nccl_env_to_apply(plan, os.environ)  # what a TP worker here sets
         if worker is not None:
             state = plugin_state(worker)
             checked = keep_state(key, state)
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         "plan": {**plan.to_json(), "tp": tp_size},
         "allreduce_options": [lever.to_json() for lever in levers],
         "nccl_warnings": [warning.to_json() for warning in nccl],
+        "nccl_env": {"tuned": dict(plan.nccl_env), "set": dict(nccl_set), "why": nccl_line},
         **state,
         "plugin_check": {"reused": reused is not None, "checked_at": checked},
         "kill_switch": plugin_disabled(),
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     lines += plan_lines(plan, tp_size)
     lines += lever_lines(levers)
     lines += warning_lines(nccl)
+    lines.append(f"in a TP worker with this environment: {nccl_line}")
     lines += _coverage_lines(coverage)
     lines += _variable_lines(variables)
     print("\n".join(lines))

@@ -70,6 +70,8 @@ def plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
         f"plain_allreduce={plan.plain_allreduce}  managed={plan.managed}"
     ]
     lines += [f"  - {reason}" for reason in plan.reasons]
+    if plan.nccl_reason:
+        lines.append(f"  - {plan.nccl_reason}")
     if plan.routes:
         lines.append("  tuned routes (tokens -> the fastest correct backend this server runs):")
         lines += [f"  {f'{a}-{b}':>9} -> {backend}" for a, b, backend in plan.route_ranges()]

@@ -19,6 +19,12 @@ For each token count a decode/verify step can have and the model's hidden size, 
                  doctor's "all-reduce options" say they can run (``upstream_refusals``), each
                  size they decline written as declined (``tuning.DECLINES``)
 
+Then NCCL variants (``planning.tuning.NCCL_VARIANTS``: NCCL_PROTO LL / LL128 / Simple, NCCL_ALGO
+Ring / Tree, a low NCCL_MAX_NCHANNELS, beside NCCL's defaults): NCCL reads these once per process,
+so each variant is measured in freshly spawned rank processes, nccl only, timed and checked like
+every backend; a variant failing capture or the check keeps its reason in the table. The
+estimate of their time is printed before anything is measured.
+
 Ranks are one process per GPU when there are enough GPUs. Otherwise they share one GPU as
 streams of one process: only sm120_pcie can run there (NCCL refuses two ranks on one GPU), the
 numbers are kernel overhead rather than interconnect, and the table is marked so (the policy
@@ -30,12 +36,13 @@ draws it). The timing core (``time_local``, ``per_call_us``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,14 +53,24 @@ from sglang_sm120.machine.facts import current_facts
 from sglang_sm120.planning.tuning import (
     BACKENDS,
     DECLINES,
+    NCCL_TUNING_FAMILY,
+    NCCL_VARIANTS,
     UPSTREAM_BACKENDS,
     Measurement,
+    NcclEnv,
     TuningTable,
+    VariantMeasurement,
     save_table,
+    variant_name,
 )
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 EPS = 1e-6
+# One NCCL variant's cost, for the estimate printed first: spawning the rank processes (torch
+# import, NCCL communicator, the add+RMSNorm kernel's compile), then per token count the check,
+# the capture and the replays (2x H200: ~25 s and well under 1 s).
+VARIANT_SPAWN_S = 30.0
+VARIANT_CELL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -195,6 +212,16 @@ def progress_bar(total: int, what: str, show: bool = True) -> Any:
 
 
 # ------------------------------------------------------------------ ranks sharing one GPU
+
+
+def variants_not_measured(settings: TuneSettings) -> list[VariantMeasurement]:
+    """Every NCCL variant at every size, said plainly not measured (ranks share one GPU)."""
+    why = f"n/a: needs {settings.tp} GPUs, one per rank (ranks share one here)"
+    return [
+        VariantMeasurement(env, t, None, False, why)
+        for env in NCCL_VARIANTS
+        for t in settings.tokens
+    ]
 
 
 def _tune_local(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
@@ -446,8 +473,10 @@ def _rank_backends(
     add_rmsnorm: Callable,
     skipped: dict[str, str],
     notes: list[str],
+    nccl_only: bool = False,
 ) -> dict[str, Callable]:
-    """name -> fn(x, residual, weight) -> (norm_out, residual_out), for what this host has."""
+    """name -> fn(x, residual, weight) -> (norm_out, residual_out), for what this host has
+    (``nccl_only``: NCCL alone, for an NCCL variant's processes)."""
     import torch
     import torch.distributed as dist
 
@@ -460,6 +489,8 @@ def _rank_backends(
         return add_rmsnorm(y, residual, weight)
 
     backends: dict[str, Callable] = {"nccl": nccl}
+    if nccl_only:
+        return backends
     try:
         import sgl_kernel_sm120 as sk
 
@@ -491,7 +522,9 @@ def _rank_backends(
     return backends
 
 
-def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: str) -> None:
+def _rank_main(
+    rank: int, settings: TuneSettings, init_file: str, result_file: str, nccl_only: bool = False
+) -> None:
     import json
 
     import torch
@@ -506,7 +539,7 @@ def _rank_main(rank: int, settings: TuneSettings, init_file: str, result_file: s
     add_rmsnorm, _ = make_add_rmsnorm(settings.hidden, dtype)
     skipped: dict[str, str] = {}
     notes: list[str] = []
-    backends = _rank_backends(rank, settings, gloo, add_rmsnorm, skipped, notes)
+    backends = _rank_backends(rank, settings, gloo, add_rmsnorm, skipped, notes, nccl_only)
     stream = torch.cuda.Stream()
     rows = []
     bar = progress_bar(
@@ -607,6 +640,82 @@ def _tune_multiprocess(settings: TuneSettings) -> tuple[list[Measurement], list[
     return measurements, notes + data.get("notes", [])
 
 
+# ------------------------------------------------------------------------------ NCCL variants
+
+
+def variants_estimate_s(settings: TuneSettings) -> float:
+    """Seconds the NCCL variants take, about: one spawn of the TP group each."""
+    return len(NCCL_VARIANTS) * (VARIANT_SPAWN_S + len(settings.tokens) * VARIANT_CELL_S)
+
+
+def estimate_line(settings: TuneSettings) -> str:
+    names = ", ".join(variant_name(env) for env in NCCL_VARIANTS)
+    minutes = variants_estimate_s(settings) / 60
+    return (
+        f"tune: after the backends, {len(NCCL_VARIANTS)} NCCL variants ({names}), each in "
+        f"{settings.tp} fresh processes over {len(settings.tokens)} token counts: "
+        f"about {minutes:.1f} min"
+    )
+
+
+@contextlib.contextmanager
+def variant_environment(env: NcclEnv) -> Iterator[None]:
+    """os.environ with NCCL_TUNING_FAMILY as one variant says (the others unset: the default is
+    NCCL's own choice, not a user's), restored afterwards; spawned ranks inherit it."""
+    saved = {name: os.environ.pop(name, None) for name in NCCL_TUNING_FAMILY}
+    os.environ.update(dict(env))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def _spawn_variant(settings: TuneSettings, env: NcclEnv) -> list[list[Any]]:
+    """One variant's rows (backend, tokens, us, correct, note), from fresh rank processes,
+    which inherit the variant's environment (``variant_environment``)."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        init = str(Path(tmp) / "init")
+        mp.spawn(_rank_main, args=(settings, init, str(result), True), nprocs=settings.tp)
+        return json.loads(result.read_text())["rows"]
+
+
+def measure_variants(
+    settings: TuneSettings,
+    spawn: Callable[[TuneSettings, NcclEnv], list[list[Any]]] = _spawn_variant,
+) -> tuple[list[VariantMeasurement], list[str]]:
+    """Every NCCL variant at every token count, one fresh spawn each (``spawn``); a spawn that
+    fails as a whole (a rank crashed or NCCL refused the setting) gives every size of that
+    variant its reason. Returns (measurements, notes)."""
+    rows: list[VariantMeasurement] = []
+    notes = []
+    for env in NCCL_VARIANTS:
+        try:
+            with variant_environment(env):
+                measured = spawn(settings, env)
+            cells = {int(t): (us, ok, note) for _, t, us, ok, note in measured}
+        except Exception as exc:  # one variant failing must not hide the others
+            why = f"failed: {type(exc).__name__}: {exc}"[:300]
+            cells = {t: (None, False, why) for t in settings.tokens}
+        for tokens in settings.tokens:
+            us, ok, note = cells.get(tokens, (None, False, "not measured"))
+            rows.append(VariantMeasurement(env, tokens, us, ok, note))
+    if ("NCCL_PROTO", "LL128") in {pair for env in NCCL_VARIANTS for pair in env}:
+        notes.append(
+            "NCCL_PROTO=LL128: NCCL runs LL128 only on links and GPUs it enables it for; "
+            "elsewhere it falls back to another protocol, and this variant times what ran"
+        )
+    return rows, notes
+
+
 # ------------------------------------------------------------------------------------ entry
 
 
@@ -623,8 +732,15 @@ def run_tune(settings: TuneSettings) -> tuple[TuningTable, Path]:
         raise ValueError("tune needs --tp >= 2: tp=1 has no all-reduce")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # ranks as streams: no lazy loads
     share = torch.cuda.device_count() < settings.tp
+    if not share:
+        print(estimate_line(settings), file=sys.stderr, flush=True)
     started = time.monotonic()
     measurements, notes = (_tune_local if share else _tune_multiprocess)(settings)
+    if share:
+        variants = variants_not_measured(settings)
+    else:
+        variants, variant_notes = measure_variants(settings)
+        notes += variant_notes
     notes.append(
         f"measured in {time.monotonic() - started:.0f} s on {torch.cuda.get_device_name()}"
     )
@@ -637,6 +753,7 @@ def run_tune(settings: TuneSettings) -> tuple[TuningTable, Path]:
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
         ranks_share_gpu=share,
         notes=tuple(notes),
+        nccl_variants=tuple(variants),
     )
     return table, save_table(table)
 
@@ -673,8 +790,39 @@ def format_table(table: TuningTable) -> str:
         "(us per call; '!' = wrong result, excluded; declined = upstream's communicator does "
         "not take that size, SGLang's next one does)"
     )
+    lines += variant_lines(table)
     lines += [f"note: {n}" for n in table.notes]
     return "\n".join(lines)
+
+
+def variant_lines(table: TuningTable) -> list[str]:
+    """NCCL's all-reduce per variant and token count; a variant that failed (capture included)
+    or was wrong is named with its reason, as excluded."""
+    if not table.nccl_variants:
+        return []
+    envs = list(dict.fromkeys(m.env for m in table.nccl_variants))
+    names = [variant_name(e).replace("NCCL_", "") for e in envs]
+    by_cell = {(m.env, m.tokens): m for m in table.nccl_variants}
+    widths = [max(9, len(n)) for n in names]
+    lines = [
+        "NCCL variants (nccl, each in fresh processes):",
+        f"{'tokens':>6} " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True)),
+    ]
+    for t in sorted({m.tokens for m in table.nccl_variants}):
+        cells = []
+        for env, w in zip(envs, widths, strict=True):
+            m = by_cell.get((env, t))
+            cell = (
+                "n/a" if m is None or m.us is None else f"{m.us:.1f}" + ("" if m.correct else "!")
+            )
+            cells.append(f"{cell:>{w}}")
+        lines.append(f"{t:>6} " + " ".join(cells))
+    for env in envs:
+        bad = [m for m in table.nccl_variants if m.env == env and (m.us is None or not m.correct)]
+        if bad:
+            why = bad[0].note or "wrong result"
+            lines.append(f"excluded: {variant_name(env)} at {len(bad)} size(s): {why}")
+    return lines
 
 
 # ------------------------------------------------------------------------------ the command

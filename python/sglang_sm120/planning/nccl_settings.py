@@ -1,5 +1,6 @@
 """NCCL_* settings a user made that break or slow the all-reduces of this launch, each with
-its fix: doctor's ``nccl_warnings``.
+its fix: doctor's ``nccl_warnings``; and the NCCL_* settings the plan itself applies, from the
+NCCL variants ``tune`` measured (``tuned_nccl_env``), which must pass the same rules.
 
 The rules are a table (``NCCL_RULES``): the variable, the check, the fix and where the effect
 is documented or measured. A check reads only the value, the TP group's links and the plan,
@@ -25,6 +26,8 @@ ships as nvidia-nccl-cu13 2.30.7):
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,6 +35,15 @@ from typing import Any
 from sglang_sm120.env_values import shown
 from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.planning.policy import AllReducePlan, Deployment
+from sglang_sm120.planning.tuning import (
+    NCCL_TUNING_FAMILY,
+    UNFUSED_MIN_GAIN,
+    NcclEnv,
+    TuningTable,
+    VariantMeasurement,
+    size_ranges,
+    variant_name,
+)
 from sglang_sm120.planning.upstream import (
     CUSTOM_ALL_REDUCE_PCIE_MAX_WORLD,
     CUSTOM_ALL_REDUCE_WORLD_SIZES,
@@ -250,3 +262,126 @@ def warning_lines(warnings: tuple[NcclWarning, ...]) -> list[str]:
             "NCCL settings: none of NCCL_P2P_DISABLE/P2P_LEVEL/PROTO/ALGO set against this launch"
         ]
     return ["NCCL settings that break or slow this launch:"] + [f"  {w.line()}" for w in warnings]
+
+
+# ------------------------------------------------------------------ tuned NCCL variants
+
+# A variant replaces NCCL's own choice only by a clear margin, as a size leaves its fusion
+# backend: NCCL's per-size choice is already tuned by NVIDIA, and one variant serves every
+# size of the process, prefill included, which tune does not time.
+NCCL_MIN_GAIN = UNFUSED_MIN_GAIN
+
+
+def nccl_served_sizes(plan: AllReducePlan, measured: set[int]) -> list[int]:
+    """The measured token counts whose all-reduce the plan leaves on NCCL: routed to nccl by a
+    table, or every size where NCCL is the plain all-reduce and nothing fuses."""
+    if not plan.managed:
+        return []
+    if plan.routes:
+        return sorted(t for t in measured if plan.route_at(t) == "nccl")
+    if plan.fusion_backend is None and plan.plain_allreduce == "nccl":
+        return sorted(measured)
+    return []
+
+
+def _variant_problem(
+    rows: dict[int, VariantMeasurement], sizes: list[int], rule_problem: str | None
+) -> str | None:
+    """Why a variant cannot be chosen: wrong anywhere, not timed at a size NCCL serves (a
+    failed capture included), or a doctor rule against it for this launch."""
+    wrong = sorted(t for t, m in rows.items() if m.us is not None and not m.correct)
+    if wrong:
+        return f"wrong at [{size_ranges(wrong)}] tokens"
+    for tokens in sizes:
+        m = rows.get(tokens)
+        if m is None or m.us is None or not 0 < m.us < math.inf:
+            why = m.note if m is not None and m.note else "not measured"
+            return f"at {tokens} tokens: {why}"
+    return rule_problem
+
+
+def _rule_against(env: NcclEnv, launch: Launch) -> str | None:
+    """What doctor would warn about ``env`` for this launch (``NCCL_RULES``), or None."""
+    values = dict(env)
+    for rule in NCCL_RULES:
+        if rule.variable in values:
+            problem = rule.problem(values[rule.variable], launch)
+            if problem is not None:
+                return f"doctor would warn: {problem}"
+    return None
+
+
+def tuned_nccl_env(
+    table: TuningTable | None, facts: HostFacts, d: Deployment, plan: AllReducePlan
+) -> tuple[NcclEnv, str]:
+    """(the NCCL_* settings for this launch's TP workers, why): the variant, among those tune
+    measured, that was correct at every size, ran at every size the plan leaves on NCCL
+    (captured in a CUDA graph) and beats NCCL's defaults there by NCCL_MIN_GAIN (geometric
+    mean of the time ratios, and the mean saving); none otherwise. A variant that one of
+    ``NCCL_RULES`` would warn about for this launch is never chosen. ((), "") without a table."""
+    if table is None or d.tp_size <= 1 or not plan.managed:
+        return (), ""
+    if d.deterministic:
+        return (), (
+            "nccl env: none (deterministic inference: SGLang pins NCCL_ALGO and the channel "
+            "count itself)"
+        )
+    if not table.nccl_variants:
+        return (), "nccl env: none (the tuning table has no NCCL variants: re-run tune)"
+    by_env: dict[NcclEnv, dict[int, VariantMeasurement]] = {}
+    for m in table.nccl_variants:
+        by_env.setdefault(m.env, {})[m.tokens] = m
+    sizes = nccl_served_sizes(plan, {m.tokens for m in table.nccl_variants})
+    if not sizes:
+        return (), "nccl env: none (no measured size stays on NCCL in this plan)"
+    where = f"at [{size_ranges(sizes)}] tokens"
+    default = by_env.get((), {})
+    problem = _variant_problem(default, sizes, None)
+    if problem is not None:
+        return (), f"nccl env: none (NCCL's default not measured {where}: {problem})"
+    launch = Launch.of(facts, d, plan)
+    scored, dropped = [], []
+    for env, rows in by_env.items():
+        if not env:
+            continue
+        problem = _variant_problem(rows, sizes, _rule_against(env, launch))
+        if problem is not None:
+            dropped.append(f"{variant_name(env)} ({problem})")
+            continue
+        ratios = [rows[t].us / default[t].us for t in sizes]
+        saving = sum(default[t].us - rows[t].us for t in sizes) / len(sizes)
+        scored.append((math.prod(ratios) ** (1 / len(ratios)), saving, env))
+    scored.sort()
+    excluded_note = f"; excluded: {', '.join(dropped)}" if dropped else ""
+    others = ", ".join(f"{variant_name(e)} {r:.2f}x" for r, _, e in scored)
+    ratio_min, saving_min = NCCL_MIN_GAIN
+    if scored and scored[0][0] <= 1 - ratio_min and scored[0][1] >= saving_min:
+        ratio, saving, env = scored[0]
+        return env, (
+            f"nccl env {variant_name(env)} from the tuning table: {ratio:.2f}x NCCL's default "
+            f"{where} (geometric mean, {saving:.1f} us saved per call; measured: {others})"
+            f"{excluded_note}"
+        )
+    return (), (
+        f"nccl env: none (no NCCL variant beats NCCL's default by {ratio_min:.0%} and "
+        f"{saving_min} us {where}; measured: {others or 'none usable'}){excluded_note}"
+    )
+
+
+def with_tuned_nccl_env(plan: AllReducePlan, facts: HostFacts, d: Deployment) -> AllReducePlan:
+    """``plan`` with the NCCL_* settings its TP workers apply (``tuned_nccl_env``)."""
+    env, reason = tuned_nccl_env(d.tuning, facts, d, plan)
+    return dataclasses.replace(plan, nccl_env=env, nccl_reason=reason)
+
+
+def nccl_env_to_apply(plan: AllReducePlan, environ: Mapping[str, str]) -> tuple[NcclEnv, str]:
+    """(what a TP worker sets, the line that says so): the plan's tuned NCCL_* settings, unless
+    the user set any variable of NCCL_TUNING_FAMILY (NCCL weighs them together, and the user's
+    own choice wins), or nothing when the plan has none."""
+    if not plan.nccl_env:
+        return (), plan.nccl_reason or "nccl env: none (no tuning table)"
+    name = variant_name(plan.nccl_env)
+    users = [f"{k}={shown(environ[k])}" for k in NCCL_TUNING_FAMILY if k in environ]
+    if users:
+        return (), f"nccl env: tuned {name} not set: the user's {', '.join(users)} wins"
+    return plan.nccl_env, f"nccl env: {name} set before NCCL starts; {plan.nccl_reason}"

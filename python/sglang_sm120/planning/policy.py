@@ -56,10 +56,12 @@ from sglang_sm120.planning.tuning import (
     UNFUSED_MIN_GAIN,
     UPSTREAM_BACKENDS,
     Measurement,
+    NcclEnv,
     TuningTable,
     correct_times,
     excluded,
     size_ranges,
+    variant_env,
     winners,
 )
 from sglang_sm120.strict_json import FieldError, fields, require, require_list, shown
@@ -219,6 +221,10 @@ class AllReducePlan:
     # ServerArgs fields the launcher turns on (UPSTREAM_SWITCH_FIELDS) where the user left them
     # unset: upstream communicators the tuning table found faster at sizes SGLang all-reduces.
     upstream_switches: tuple[str, ...] = field(default=())
+    # The NCCL_* variables the TP workers set before NCCL starts, unless the user set any of
+    # them (``planning.nccl_settings.tuned_nccl_env``), and why; "" where no table spoke.
+    nccl_env: NcclEnv = field(default=())
+    nccl_reason: str = ""
 
     def route_at(self, tokens: int) -> str | None:
         """The backend that serves a fused point of ``tokens`` rows: the fusion backend
@@ -281,6 +287,8 @@ class AllReducePlan:
             "reasons": list(self.reasons),
             "routes": [list(run) for run in self.route_ranges()],
             "upstream_switches": list(self.upstream_switches),
+            "nccl_env": dict(self.nccl_env),
+            "nccl_reason": self.nccl_reason,
         }
 
     @classmethod
@@ -308,6 +316,10 @@ class AllReducePlan:
                     choices=tuple(UPSTREAM_SWITCH_FIELDS.values()),
                 )
             ),
+            nccl_env=variant_env(
+                require(data, "nccl_env", dict, "plan", default={}), "plan.nccl_env"
+            ),
+            nccl_reason=require(data, "nccl_reason", str, "plan", limit=4000, default=""),
         )
 
     def route_ranges(self) -> list[tuple[int, int, str]]:
@@ -324,8 +336,11 @@ class AllReducePlan:
 
     def summary(self) -> str:
         fusion = self.fusion_backend or "off"
-        return f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; " + "; ".join(
-            self.reasons
+        nccl = f"; {self.nccl_reason}" if self.nccl_reason else ""
+        return (
+            f"fusion={fusion}, plain all-reduce={self.plain_allreduce}; "
+            + "; ".join(self.reasons)
+            + nccl
         )
 
 

@@ -25,6 +25,11 @@ all-reduce up to 8 MiB, MSCCL++ where it has a tuned configuration, torch symmet
 below its size limit); ``tune`` writes a cell they decline as ``us=None`` with a note starting
 with DECLINES, and SGLang's next communicator serves that size (``policy``).
 
+NCCL variants (``nccl_variants``): NCCL's own all-reduce under other NCCL_PROTO / NCCL_ALGO /
+NCCL_MAX_NCHANNELS settings, each measured in fresh processes (NCCL reads them once per
+process) beside the default; ``planning.nccl_settings.tuned_nccl_env`` picks one for the sizes
+the plan leaves on NCCL.
+
 Example::
 
     table = TuningTable.from_json(read_json_file(path, TABLE_MAX_BYTES))
@@ -51,7 +56,7 @@ from sglang_sm120.machine.cache import (
 )
 from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.machine.topology import MAX_TP_SIZE
-from sglang_sm120.strict_json import fields, read_json_file, require, require_list
+from sglang_sm120.strict_json import FieldError, fields, read_json_file, require, require_list
 
 # Upstream's own communicators, each served by SGLang's all-reduce when its switch is on.
 UPSTREAM_BACKENDS = ("custom_ar", "mscclpp", "torch_symm_mem")
@@ -64,10 +69,32 @@ BACKENDS = (
     *UPSTREAM_BACKENDS,
 )  # as measured
 FUSED_BACKENDS = ("trtllm", "sm120_pcie")
-# 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks); tables of 1 are stale. The upstream backends
-# did not bump it: a table of 2 without them is still right about what it measured, and the
-# policy treats a backend a table lacks as unmeasured (as before they existed).
-TABLE_VERSION = 2
+# 3: NCCL variants; 2: sgl-kernel-sm120 ABI 3 (up to 128 blocks). The upstream backends did not
+# bump it: a table without them is still right about what it measured, and the policy treats a
+# backend a table lacks as unmeasured (as before they existed).
+TABLE_VERSION = 3
+# Versions whose backend measurements still hold: a table of 2 has no NCCL variants (the plan
+# then sets no NCCL_* and says to re-run tune); tables of 1 are stale.
+READABLE_VERSIONS = (2, 3)
+# The NCCL_* variables a variant sets, and the ones that, set by the user, keep every tuned
+# variant off (NCCL reads them together to pick a protocol, algorithm and channel count).
+NCCL_VARIANT_KEYS = ("NCCL_PROTO", "NCCL_ALGO", "NCCL_MAX_NCHANNELS")
+NCCL_TUNING_FAMILY = (*NCCL_VARIANT_KEYS, "NCCL_MIN_NCHANNELS")
+# The values a variant may hold: what tune measures, so a table or a published plan cannot make
+# a worker set anything else.
+NCCL_VARIANT_CHOICES = {"NCCL_PROTO": ("LL", "LL128", "Simple"), "NCCL_ALGO": ("Ring", "Tree")}
+MAX_NCHANNELS = 64
+# What tune measures: NCCL's defaults, then one variable changed at a time (seven spawns of the
+# TP group; one variable at a time keeps the grid linear, not a product).
+NCCL_VARIANTS: tuple[tuple[tuple[str, str], ...], ...] = (
+    (),
+    (("NCCL_PROTO", "LL"),),
+    (("NCCL_PROTO", "LL128"),),  # NCCL runs it only on links/arches it enables it for
+    (("NCCL_PROTO", "Simple"),),
+    (("NCCL_ALGO", "Ring"),),
+    (("NCCL_ALGO", "Tree"),),
+    (("NCCL_MAX_NCHANNELS", "4"),),  # few channels: less SM time taken from the model's kernels
+)
 # A table of every size 1..2048 for the eight backends takes ~2 MiB as `tune` writes it.
 TABLE_MAX_BYTES = 16 << 20
 MAX_ROWS = 1 << 16  # 2048 sizes x 8 backends is ~16k
@@ -103,6 +130,57 @@ class Measurement:
         )
 
 
+NcclEnv = tuple[tuple[str, str], ...]  # sorted (NCCL_* name, value) pairs; () = NCCL's defaults
+
+
+def variant_env(data: Any, where: str) -> NcclEnv:
+    """A variant's NCCL_* settings read from JSON ({name: value}), each checked against what
+    tune measures (``NCCL_VARIANT_CHOICES``, a channel count 1..MAX_NCHANNELS); FieldError
+    naming the field for anything else."""
+    data = fields(data, where, known=NCCL_VARIANT_KEYS)
+    env = []
+    for key in sorted(data):
+        choices = NCCL_VARIANT_CHOICES.get(key)
+        value = require(data, key, str, where, choices=choices, limit=8)
+        if choices is None and not (value.isdigit() and 1 <= int(value) <= MAX_NCHANNELS):
+            raise FieldError(f"{where}.{key} must be a channel count 1..{MAX_NCHANNELS}")
+        env.append((key, value))
+    return tuple(env)
+
+
+def variant_name(env: NcclEnv) -> str:
+    """'NCCL_PROTO=LL', or 'default' for NCCL's own choice."""
+    return " ".join(f"{k}={v}" for k, v in env) or "default"
+
+
+@dataclass(frozen=True)
+class VariantMeasurement:
+    """NCCL's all-reduce (+ the same add+RMSNorm) under one set of NCCL_* variables at one token
+    count: its CUDA-graph time (None when it failed, capture included: ``note`` says why) and
+    whether its result matched the float32 reference."""
+
+    env: NcclEnv
+    tokens: int
+    us: float | None
+    correct: bool
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "env": dict(self.env)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> VariantMeasurement:
+        """One cell as ``to_json`` writes it; FieldError naming the field for anything else."""
+        data = fields(data, where, known=cls.__dataclass_fields__)
+        return cls(
+            env=variant_env(require(data, "env", dict, where), f"{where}.env"),
+            tokens=require(data, "tokens", int, where, minimum=1, maximum=MAX_TOKENS),
+            us=require(data, "us", float, where, minimum=0, null=True),
+            correct=require(data, "correct", bool, where),
+            note=require(data, "note", str, where, limit=MAX_TEXT, default=""),
+        )
+
+
 @dataclass(frozen=True)
 class TuningTable:
     fingerprint: dict[str, Any]
@@ -114,11 +192,13 @@ class TuningTable:
     ranks_share_gpu: bool = False
     version: int = TABLE_VERSION
     notes: tuple[str, ...] = field(default=())
+    nccl_variants: tuple[VariantMeasurement, ...] = field(default=())
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)  # tuples as lists: what from_json reads, with or without a file
         data["measurements"] = [asdict(m) for m in self.measurements]
         data["notes"] = list(self.notes)
+        data["nccl_variants"] = [v.to_json() for v in self.nccl_variants]
         data["fingerprint_id"] = fingerprint_id(self.fingerprint)
         return data
 
@@ -128,6 +208,7 @@ class TuningTable:
         table that loads cannot fail later in the plan; FieldError naming the field."""
         data = fields(data, "", known=[*cls.__dataclass_fields__, "fingerprint_id"])
         rows = require(data, "measurements", list, limit=MAX_ROWS)
+        variants = require(data, "nccl_variants", list, limit=MAX_ROWS, default=[])
         return cls(
             fingerprint=require(data, "fingerprint", dict),
             tp=require(data, "tp", int, minimum=1, maximum=MAX_TP_SIZE),
@@ -140,6 +221,10 @@ class TuningTable:
             ranks_share_gpu=require(data, "ranks_share_gpu", bool, default=False),
             version=require(data, "version", int, minimum=0, default=0),
             notes=tuple(require_list(data, "notes", str, max_items=MAX_ROWS, default=[])),
+            nccl_variants=tuple(
+                VariantMeasurement.from_json(row, f"nccl_variants[{i}]")
+                for i, row in enumerate(variants)
+            ),
         )
 
 
@@ -180,7 +265,7 @@ def load_table(
         table = TuningTable.from_json(read_json_file(path, TABLE_MAX_BYTES))
     except (ValueError, RecursionError) as exc:  # JsonInputError, FieldError: one line
         return None, f"tuning table {path} unreadable: {exc or type(exc).__name__}"
-    if table.version != TABLE_VERSION or table.fingerprint != fingerprint:
+    if table.version not in READABLE_VERSIONS or table.fingerprint != fingerprint:
         return None, f"tuning table {path.name} stale: written for another host or version"
     if table.ranks_share_gpu:
         return None, f"tuning table {path.name} measured with ranks sharing one GPU: not used"

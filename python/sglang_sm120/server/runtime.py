@@ -41,6 +41,7 @@ from sglang_sm120.env_values import number, shown, switch_value
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import SYSFS_ROOT_ENV, HostFindings, run_host_checks
 from sglang_sm120.machine.topology import MAX_TP_SIZE
+from sglang_sm120.planning.nccl_settings import with_tuned_nccl_env
 from sglang_sm120.planning.policy import (
     PLUGIN_BACKEND_CHOICES,
     PLUGIN_BACKEND_ENV,
@@ -71,6 +72,7 @@ _logged: set[str] = set()
 _pending: list[tuple[int, str]] = []
 _logging_ready: list[bool] = [False]
 _last_plan: list[AllReducePlan] = []
+_nccl_env_line: list[str] = []
 
 # The functions SGLang calls load_plugins() from, and the process each one is the entry of:
 # (module, qualified name, role). test_process_roles checks each row against the installed
@@ -416,6 +418,16 @@ def deployment_from_view(view: Any) -> Deployment:
     return with_host_findings(deployment, model_config.hidden_size)
 
 
+def record_nccl_env(line: str) -> None:
+    """What the ``nccl_tuned_env`` patch set in this worker, or why nothing: its status line."""
+    _nccl_env_line[:] = [line]
+
+
+def nccl_env_line() -> str | None:
+    """The line ``record_nccl_env`` kept, or None where the patch did not run."""
+    return _nccl_env_line[0] if _nccl_env_line else None
+
+
 def last_plan() -> AllReducePlan | None:
     """The most recent plan this process computed or received (for reports), or None."""
     return _last_plan[0] if _last_plan else None
@@ -443,7 +455,7 @@ def plan_to_publish(
     would not fit is not used: the plan without it, which says why, is published instead; a plan
     that still would not fit is not published, and upstream decides (said as an ERROR)."""
     archs = fusion_archs() if archs is None else archs
-    plan = plan_allreduce(facts, deployment, archs)
+    plan = with_tuned_nccl_env(plan_allreduce(facts, deployment, archs), facts, deployment)
     published = launch_plan_json(facts, deployment, plan)
     size = len(published.encode())
     if size > LAUNCH_PLAN_MAX_BYTES and deployment.tuning is not None:
@@ -455,7 +467,7 @@ def plan_to_publish(
         )
         log_once(logging.WARNING, f"sglang-sm120: {note}")
         deployment = dataclasses.replace(deployment, tuning=None, tuning_note=note)
-        plan = plan_allreduce(facts, deployment, archs)
+        plan = with_tuned_nccl_env(plan_allreduce(facts, deployment, archs), facts, deployment)
         published = launch_plan_json(facts, deployment, plan)
         size = len(published.encode())
     if size > LAUNCH_PLAN_MAX_BYTES:

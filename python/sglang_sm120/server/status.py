@@ -89,9 +89,10 @@ def status_line(role: str) -> str:
     """The one line per process that says what the plugin does here."""
     cap = capability_for(role)
     summary = ", ".join(f"{name}={status}" for name, status in PATCH_STATUS.items())
+    nccl = runtime.nccl_env_line()
     return (
         f"sglang-sm120 {__version__} ({ROLE_NAMES[role]}): {'; '.join(cap.reasons)}; "
-        f"patches: {summary}"
+        f"patches: {summary}" + (f"; {nccl}" if nccl else "")
     )
 
 

@@ -12,6 +12,7 @@
 | pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
 | allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
 | upstream_switches    | parallel_state.set_mscclpp (+ torch symm mem) | table's AR switches on |
+| nccl_tuned_env       | NCCL_* read at init_distributed_environment  | tuned NCCL variant set     |
 | sm120_pcie_backend   | FlashInfer fusion entry points               | fused points -> our kernel |
 | peer_check           | SchedulerOutputStreamer.stream_output        | no output after a timeout  |
 | graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
@@ -31,6 +32,7 @@ from sglang_sm120.server.patches import (
     fusion_applies,
     fusion_auto_enable,
     graph_stats,
+    nccl_tuned_env,
     pcie_ipc_enable,
     peer_check,
     resolve_backend,
@@ -51,6 +53,7 @@ PATCHES = (
     pcie_ipc_enable,
     allreduce_precedence,
     upstream_switches,
+    nccl_tuned_env,
     sm120_pcie_backend,
     peer_check,
     graph_stats,
