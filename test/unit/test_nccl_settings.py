@@ -190,7 +190,9 @@ def test_a_table_without_variants_says_to_re_run_tune():
     assert env == () and "re-run tune" in reason
 
 
-PLAN_WITH_LL = AllReducePlan(True, None, "nccl", ("r",), ((512, "nccl"),), LL, "nccl env LL ...")
+PLAN_WITH_LL = AllReducePlan(
+    True, None, "nccl", ("r",), ((512, "nccl"),), nccl_env=LL, nccl_reason="nccl env LL ..."
+)
 
 
 @pytest.mark.parametrize(

@@ -338,12 +338,13 @@ def test_a_declined_cell_is_read_back_and_printed_as_declined_not_as_a_failure()
 
 
 def test_a_table_written_before_the_upstream_backends_still_loads():
-    """TABLE_VERSION was not bumped: a table without the new backends is what it measured."""
+    """The upstream backends bumped no TABLE_VERSION: a table without them is what it
+    measured (a version-2 table, before the NCCL variants too: test_tuning's NCCL section)."""
     from sglang_sm120.planning.tuning import TABLE_VERSION
 
     table = make_table()
     data = table.to_json()
-    assert data["version"] == TABLE_VERSION == 2
+    assert data["version"] == TABLE_VERSION
     assert {m["backend"] for m in data["measurements"]} <= {"nccl", "sm120_pcie"}
     save_table(table)
     loaded, reason = load_table(PCIE8, 8, 7168, "bfloat16")
