@@ -461,3 +461,34 @@ def test_printed_table_shows_the_variants_and_why_one_is_excluded():
     assert lines[head + 1].split() == ["tokens", "default", "PROTO=LL", "ALGO=Tree"]
     assert lines[head + 2].split() == ["8", "30.0", "20.0", "n/a"]
     assert "excluded: NCCL_ALGO=Tree at 1 size(s): failed: capture invalidated" in lines
+
+
+def _rank_that_hangs(rank: int) -> None:
+    import time
+
+    time.sleep(3600 if rank == 1 else 0)
+
+
+def test_a_spawn_that_hangs_is_stopped_at_its_deadline():
+    """A rank blocked in a collective never returns by itself: the spawn is stopped at its
+    deadline, every rank killed, and the variant gets the reason (measure_variants)."""
+    import time
+
+    from sglang_sm120.commands.tune import spawn_ranks
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="still running after 3 s"):
+        spawn_ranks(_rank_that_hangs, (), 2, deadline_s=3)
+    assert time.monotonic() - started < 60
+
+
+def _rank_that_raises(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("NCCL said no")
+
+
+def test_a_rank_that_fails_is_one_line_naming_the_rank():
+    from sglang_sm120.commands.tune import spawn_ranks
+
+    with pytest.raises(RuntimeError, match=r"rank 1 failed: ValueError: NCCL said no"):
+        spawn_ranks(_rank_that_raises, (), 2, deadline_s=120)

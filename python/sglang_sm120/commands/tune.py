@@ -70,6 +70,8 @@ EPS = 1e-6
 # import, NCCL communicator, the add+RMSNorm kernel's compile), then per token count the check,
 # the capture and the replays (2x H200: ~25 s and well under 1 s).
 VARIANT_SPAWN_S = 30.0
+# The backends' spawn: FlashInfer's PCIe-IPC tuner alone takes ~33 s per token count.
+BACKENDS_DEADLINE_S = 1800.0
 VARIANT_CELL_S = 1.0
 
 
@@ -624,16 +626,10 @@ def _tune_multiprocess(settings: TuneSettings) -> tuple[list[Measurement], list[
     import json
     import tempfile
 
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        mp.spawn(
-            _rank_main,
-            args=(settings, str(Path(tmp) / "init"), str(result)),
-            nprocs=settings.tp,
-            join=True,
-        )
+        args = (settings, str(Path(tmp) / "init"), str(result))
+        spawn_ranks(_rank_main, args, settings.tp, BACKENDS_DEADLINE_S)
         data = json.loads(result.read_text())
     measurements = [Measurement(*row) for row in data["rows"]]
     notes = [f"{name}: {why}" for name, why in sorted(data["skipped"].items())]
@@ -673,18 +669,46 @@ def variant_environment(env: NcclEnv) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def variant_deadline_s(settings: TuneSettings) -> float:
+    """How long one variant's spawn may take before it counts as hung: four times its share of
+    the estimate, and at least two minutes (a rank blocked in NCCL never returns by itself)."""
+    return max(120.0, 4 * (VARIANT_SPAWN_S + len(settings.tokens) * VARIANT_CELL_S))
+
+
+def spawn_ranks(fn: Callable, args: tuple, nprocs: int, deadline_s: float) -> None:
+    """``torch.multiprocessing.spawn`` with a deadline: ranks still running after
+    ``deadline_s`` (a collective that never completes) are killed and TimeoutError raised, so
+    one setting that hangs NCCL costs its deadline, not the whole tune."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False)
+    end = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=max(0.0, min(5.0, end - time.monotonic()))):
+            if time.monotonic() >= end:
+                raise TimeoutError(f"ranks still running after {deadline_s:.0f} s: stopped")
+    except ProcessException as exc:  # a rank raised or died: its last line, not a traceback
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        raise RuntimeError(f"rank {exc.error_index} failed: {lines[-1] if lines else exc}") from exc
+    finally:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
 def _spawn_variant(settings: TuneSettings, env: NcclEnv) -> list[list[Any]]:
     """One variant's rows (backend, tokens, us, correct, note), from fresh rank processes,
     which inherit the variant's environment (``variant_environment``)."""
     import json
     import tempfile
 
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         init = str(Path(tmp) / "init")
-        mp.spawn(_rank_main, args=(settings, init, str(result), True), nprocs=settings.tp)
+        args = (settings, init, str(result), True)
+        spawn_ranks(_rank_main, args, settings.tp, variant_deadline_s(settings))
         return json.loads(result.read_text())["rows"]
 
 
@@ -840,7 +864,7 @@ def run(args: argparse.Namespace) -> int:
     current_facts()  # a bad SGLANG_SM120_TOPOLOGY is reported now, not after measuring
     try:
         table, path = run_tune(settings)
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, TimeoutError) as exc:
         print(f"sglang-sm120 tune: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(table.to_json(), indent=1) if args.json else format_table(table))
