@@ -428,14 +428,20 @@ def test_a_variant_that_fails_as_a_whole_keeps_its_reason_and_the_others_run(mon
 
 
 def test_one_shared_gpu_reports_every_variant_not_measured():
-    from sglang_sm120.commands.tune import NCCL_VARIANTS, TuneSettings, variants_not_measured
+    from sglang_sm120.commands.tune import (
+        NCCL_VARIANTS,
+        TuneSettings,
+        variant_lines,
+        variants_not_measured,
+    )
 
     rows = variants_not_measured(TuneSettings(tp=4, tokens=(1, 2)))
     assert len(rows) == 2 * len(NCCL_VARIANTS)
-    assert all(
-        m.us is None and m.note == "n/a: needs 4 GPUs, one per rank (ranks share one here)"
-        for m in rows
-    )
+    why = "n/a: needs 4 GPUs, one per rank (ranks share one here)"
+    assert all(m.us is None and m.note == why for m in rows)
+    table = dataclasses.replace(make_table(), nccl_variants=tuple(rows))
+    lines = variant_lines(table)  # said once, as not measured: nothing was excluded
+    assert lines[-1] == f"not measured: {why}" and not any("excluded" in x for x in lines)
 
 
 def test_tune_tp8_variants_are_estimated_under_ten_minutes():

@@ -841,6 +841,9 @@ def variant_lines(table: TuningTable) -> list[str]:
             )
             cells.append(f"{cell:>{w}}")
         lines.append(f"{t:>6} " + " ".join(cells))
+    unmeasured = {m.note for m in table.nccl_variants if m.note.startswith("n/a")}
+    if len(unmeasured) == 1 and all(m.note in unmeasured for m in table.nccl_variants):
+        return [*lines, f"not measured: {unmeasured.pop()}"]  # ranks sharing one GPU: say it once
     for env in envs:
         bad = [m for m in table.nccl_variants if m.env == env and (m.us is None or not m.correct)]
         if bad:
