@@ -616,20 +616,26 @@ def test_auto_in_any_spelling_follows_the_tp_default(model_dirs, server_args, en
     assert any("requested" in r for r in reasons) == explicit, reasons
 
 
-def test_auto_flag_follows_the_tuning_table(model_dirs, tmp_path):
-    """TP8, where the default is fusion off: a table in which trtllm wins every size turns it on."""
+def plant_table(directory, winner: str) -> None:
+    """A TP8 tuning table for the 8x RTX PRO 6000 profile in ``directory`` (the cache directory
+    the launcher is given), where ``winner`` takes 5 us and NCCL and PCIe-IPC 50 us."""
     from sglang_sm120.machine.cache import host_fingerprint
     from sglang_sm120.machine.facts import load_profile
     from sglang_sm120.planning.tuning import Measurement, TuningTable, save_table
 
-    rows = [Measurement("trtllm", t, 5.0, True) for t in (4, 64)]
+    rows = [Measurement(winner, t, 5.0, True) for t in (4, 64)]
     rows += [Measurement(b, t, 50.0, True) for b in ("nccl", "pcie_ipc") for t in (4, 64)]
     fingerprint = host_fingerprint(load_profile("rtx-pro-6000-x8-pcie"), 8)
-    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
+    os.environ["SGLANG_SM120_CACHE_DIR"] = str(directory)
     try:
         save_table(TuningTable(fingerprint, 8, 7168, "bfloat16", tuple(rows)))
     finally:
         del os.environ["SGLANG_SM120_CACHE_DIR"]
+
+
+def test_auto_flag_follows_the_tuning_table(model_dirs, tmp_path):
+    """TP8, where the default is fusion off: a table in which trtllm wins every size turns it on."""
+    plant_table(tmp_path, "trtllm")
     launched = resolve_in_launcher(
         model_dirs["KimiK25ForConditionalGeneration"],
         8,
@@ -653,18 +659,7 @@ def test_a_tuning_table_where_mscclpp_wins_turns_mscclpp_on_in_the_worker_unless
     in the worker upstream's own ``bootstrap._set_all_reduce_flags`` (which reads the user's
     ``enable_mscclpp``, off) leaves MSCCL++ on for the groups it builds. ``--enable-symm-mem``
     sends plain all-reduces to NCCL first: then the plan switches nothing on."""
-    from sglang_sm120.machine.cache import host_fingerprint
-    from sglang_sm120.machine.facts import load_profile
-    from sglang_sm120.planning.tuning import Measurement, TuningTable, save_table
-
-    rows = [Measurement("mscclpp", t, 5.0, True) for t in (4, 64)]
-    rows += [Measurement(b, t, 50.0, True) for b in ("nccl", "pcie_ipc") for t in (4, 64)]
-    fingerprint = host_fingerprint(load_profile("rtx-pro-6000-x8-pcie"), 8)
-    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
-    try:
-        save_table(TuningTable(fingerprint, 8, 7168, "bfloat16", tuple(rows)))
-    finally:
-        del os.environ["SGLANG_SM120_CACHE_DIR"]
+    plant_table(tmp_path, "mscclpp")
     result = run_scenario(
         model_dirs["KimiK25ForConditionalGeneration"],
         8,
