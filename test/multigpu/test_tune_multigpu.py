@@ -51,14 +51,14 @@ def test_nccl_variants_run_in_fresh_processes_and_keep_their_reasons(tp, tmp_pat
     monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("NCCL_PROTO", "Simple")  # the user's: the default must not inherit it
     from sglang_sm120.commands.tune import TuneSettings, format_table, run_tune
-    from sglang_sm120.planning.tuning import NCCL_VARIANTS
+    from sglang_sm120.planning.tuning import NCCL_VARIANTS, PREFILL_TOKENS
 
     tokens = (1, 64, 1024)
     table, _ = run_tune(TuneSettings(tp=tp, tokens=tokens, calls=5, replays=3))
     print(format_table(table))
     cells = {(m.env, m.tokens): m for m in table.nccl_variants}
-    assert set(cells) == {(env, t) for env in NCCL_VARIANTS for t in tokens}
-    assert all(cells[((), t)].correct and cells[((), t)].us for t in tokens)
+    sizes = (*tokens, PREFILL_TOKENS)  # and one chunked-prefill all-reduce
+    assert set(cells) == {(env, t) for env in NCCL_VARIANTS for t in sizes}
+    assert all(cells[((), t)].correct and cells[((), t)].us for t in sizes)
     for m in table.nccl_variants:
         assert (m.us is not None and m.correct) or m.note, m
-    assert any("LL128" in note for note in table.notes)

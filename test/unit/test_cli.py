@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from kernel_library import expected_sm120_pcie_status, require_kernel_package
 
 KIMI = "KimiK25ForConditionalGeneration"
 SESSION_CACHE = tempfile.mkdtemp(prefix="sglang-sm120-test-cache-")
+atexit.register(shutil.rmtree, SESSION_CACHE, ignore_errors=True)
 
 
 def run_cli(
@@ -147,9 +149,12 @@ def test_doctor_on_a_profiled_host_shows_applied_patches_and_plan():
     assert report["patches"].pop("dp_controller_launch_plan") == (
         "needed in the DP controller (doctor starts no such process)"
     )
-    # doctor's worker check starts with no launch plan; doctor's own nccl_env says what a
-    # launched worker would set.
+    # doctor's worker check starts with no launch plan: the status is what a launched worker
+    # would do with this environment (here: no tuning table)
     assert report["patches"].pop("nccl_tuned_env") == (
+        "not needed (nccl env: none (no tuning table))"
+    )
+    assert report["patches_by_process"]["TP worker"]["nccl_tuned_env"] == (
         "not needed (nccl env: none (no plan from the launcher))"
     )
     assert report["nccl_env"] == {

@@ -198,14 +198,15 @@ def nccl_launch(deepseek: Path, tmp_path: Path, user_env: dict[str, str]) -> tup
     clearly faster than NCCL's default, with a second plugin (``nccl_env_probe``) recording each
     TP worker's NCCL_* at SGLang's ``init_distributed_environment``. Returns (log, records)."""
     from nccl_env_probe import PROBE_DIR_ENV, STOP, install
-    from sglang_sm120.planning.tuning import VariantMeasurement
+    from sglang_sm120.planning.tuning import PREFILL_TOKENS, VariantMeasurement
 
     fingerprint = host_fingerprint(load_profile(PROFILE), 2)
     rows = [Measurement("trtllm", t, us, True) for t, us in ((4, 50.0), (64, 80.0))]
     rows += [Measurement("nccl", t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
     ll = (("NCCL_PROTO", "LL"),)
-    variants = [VariantMeasurement((), t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
-    variants += [VariantMeasurement(ll, t, us, True) for t, us in ((4, 12.0), (64, 20.0))]
+    prefill = (PREFILL_TOKENS, 400.0)  # as fast as the default at the prefill chunk
+    variants = [VariantMeasurement((), t, us, True) for t, us in ((4, 20.0), (64, 30.0), prefill)]
+    variants += [VariantMeasurement(ll, t, us, True) for t, us in ((4, 12.0), (64, 20.0), prefill)]
     cache, probe, plugin = tmp_path / "cache", tmp_path / "probe", tmp_path / "plugin"
     probe.mkdir()
     install(plugin)
@@ -237,6 +238,7 @@ def nccl_launch(deepseek: Path, tmp_path: Path, user_env: dict[str, str]) -> tup
 
 def test_a_tuned_nccl_variant_is_in_the_workers_environment_before_nccl_starts(deepseek, tmp_path):
     log, records = nccl_launch(deepseek, tmp_path, {})
+    assert records, log[-4000:]
     for record in records:
         assert record["env"] == {
             "NCCL_PROTO": "LL",
@@ -248,7 +250,9 @@ def test_a_tuned_nccl_variant_is_in_the_workers_environment_before_nccl_starts(d
     assert (
         "nccl env NCCL_PROTO=LL from the tuning table: 0.63x NCCL's default" in plans["launcher"][0]
     )
-    for worker in (p for p in status if p.startswith("TP")):
+    workers = [p for p in status if p.startswith("TP")]
+    assert workers, log[-4000:]
+    for worker in workers:
         assert "nccl_tuned_env=applied" in status[worker][0]
         assert "; nccl env: NCCL_PROTO=LL set before NCCL starts; " in status[worker][0]
 

@@ -16,7 +16,12 @@ from sglang_sm120.planning.nccl_settings import (
     warning_lines,
 )
 from sglang_sm120.planning.policy import AllReducePlan, Deployment, plan_allreduce
-from sglang_sm120.planning.tuning import Measurement, TuningTable, VariantMeasurement
+from sglang_sm120.planning.tuning import (
+    PREFILL_TOKENS,
+    Measurement,
+    TuningTable,
+    VariantMeasurement,
+)
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 
 KIMI = "KimiK25ForConditionalGeneration"
@@ -94,24 +99,31 @@ def test_warnings_show_the_value_the_fix_and_the_source():
 
 # ---------------------------------------------- the NCCL variant a plan applies (issue 25 2c)
 
-LL, LL128, SIMPLE = (("NCCL_PROTO", "LL"),), (("NCCL_PROTO", "LL128"),), (("NCCL_PROTO", "Simple"),)
+LL, SIMPLE = (("NCCL_PROTO", "LL"),), (("NCCL_PROTO", "Simple"),)
 TREE, RING, FEW = (("NCCL_ALGO", "Tree"),), (("NCCL_ALGO", "Ring"),), (("NCCL_MAX_NCHANNELS", "4"),)
 SIZES = (8, 512)
 DEFAULT_US = {8: 20.0, 512: 30.0}
 
 
-def variant_rows(times: dict) -> tuple[VariantMeasurement, ...]:
-    """{env: us per SIZES (None: failed, with the note), or (us, correct)} -> table rows."""
+PREFILL_US = 400.0  # NCCL's default at the prefill chunk (PREFILL_TOKENS)
+
+
+def variant_rows(times: dict, prefill: dict | None = None) -> tuple[VariantMeasurement, ...]:
+    """{env: us per SIZES (None: failed, with the note), or (us, correct)} -> table rows; each
+    variant also at PREFILL_TOKENS, as fast as the default unless ``prefill`` {env: us} says."""
     rows = [VariantMeasurement((), t, DEFAULT_US[t], True) for t in SIZES]
+    rows.append(VariantMeasurement((), PREFILL_TOKENS, PREFILL_US, True))
     for env, cells in times.items():
         for t, cell in zip(SIZES, cells, strict=True):
             us, correct = cell if isinstance(cell, tuple) else (cell, cell is not None)
             note = "" if us is not None else "failed: RuntimeError: CUDA graph capture invalidated"
             rows.append(VariantMeasurement(env, t, us, correct, note))
+        us = (prefill or {}).get(env, PREFILL_US)
+        rows.append(VariantMeasurement(env, PREFILL_TOKENS, us, True))
     return tuple(rows)
 
 
-def tuned(times: dict, nccl_wins: bool = True, **deployment):
+def tuned(times: dict, nccl_wins: bool = True, prefill: dict | None = None, **deployment):
     """(env, reason) on 8x SM120 at TP8 whose table leaves every size on NCCL (fusion off,
     plain NCCL), or none of them (``nccl_wins`` False: trtllm fastest everywhere)."""
     facts = load_profile(PCIE)
@@ -124,7 +136,7 @@ def tuned(times: dict, nccl_wins: bool = True, **deployment):
         7168,
         "bfloat16",
         tuple(rows),
-        nccl_variants=variant_rows(times),
+        nccl_variants=variant_rows(times, prefill),
     )
     d = Deployment(tp_size=8, model_arch=KIMI, pcie_ipc_env=False, tuning=table, **deployment)
     plan = plan_allreduce(facts, d, FUSION_ARCHS)
@@ -162,7 +174,7 @@ def test_a_variant_wrong_at_any_size_is_excluded():
 
 @pytest.mark.parametrize(
     ("variant", "rule"),
-    [(TREE, "capture failed this way"), (LL128, "may not use LL"), (SIMPLE, "may not use LL")],
+    [(TREE, "capture failed this way"), (SIMPLE, "may not use LL")],
 )
 def test_a_variant_doctor_would_warn_about_is_never_chosen(variant, rule):
     """NCCL_ALGO=Tree under CUDA graphs, and a protocol without LL where decode/verify reach
@@ -174,6 +186,20 @@ def test_a_variant_doctor_would_warn_about_is_never_chosen(variant, rule):
 def test_no_variant_where_no_measured_size_stays_on_nccl():
     env, reason = tuned({LL: (5.0, 10.0)}, nccl_wins=False)
     assert (env, reason) == ((), "nccl env: none (no measured size stays on NCCL in this plan)")
+
+
+def test_a_variant_slower_at_a_prefill_chunk_is_not_chosen():
+    """One setting serves every NCCL call of the process: a variant faster at decode sizes but
+    slower at the prefill chunk's all-reduce is excluded, with the numbers."""
+    env, reason = tuned({LL: (12.0, 20.0), RING: (18.0, 27.0)}, prefill={LL: 520.0})
+    assert env == RING
+    assert f"NCCL_PROTO=LL (1.30x NCCL's default at {PREFILL_TOKENS} tokens (prefill)" in reason
+
+
+def test_with_ray_no_variant_is_planned():
+    """Ray's actors load no SGLang plugin: nothing would set it, so the plan names none."""
+    env, reason = tuned({LL: (5.0, 10.0)}, ray=True)
+    assert env == () and "--use-ray" in reason
 
 
 def test_deterministic_inference_keeps_sglangs_own_nccl_settings():
@@ -202,6 +228,7 @@ PLAN_WITH_LL = AllReducePlan(
         ({"NCCL_PROTO": "Simple"}, (), "the user's NCCL_PROTO='Simple' wins"),
         ({"NCCL_MIN_NCHANNELS": "8"}, (), "the user's NCCL_MIN_NCHANNELS='8' wins"),
         ({"NCCL_P2P_LEVEL": "SYS"}, LL, "NCCL_PROTO=LL set"),  # not one NCCL weighs with them
+        ({"NCCL_TUNER_PLUGIN": "libnccl-tuner.so"}, (), "the user's NCCL_TUNER_PLUGIN="),
     ],
 )
 def test_the_users_own_nccl_tuning_wins_over_the_plans(environ, applied, line):
@@ -216,3 +243,19 @@ def test_the_published_plan_carries_its_nccl_env_and_refuses_another():
     data["nccl_env"] = {"NCCL_PROTO": "LL; rm -rf /"}
     with pytest.raises(ValueError, match=r"plan\.nccl_env\.NCCL_PROTO"):
         AllReducePlan.from_json(data)
+
+
+def test_a_protocol_chosen_in_nccls_config_file_wins_over_the_plans(tmp_path):
+    """NCCL applies NCCL_CONF_FILE (or ~/.nccl.conf) and /etc/nccl.conf for what the environment
+    leaves unset: a choice made there is the user's, as one exported."""
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("# site settings\nNCCL_DEBUG=WARN\n NCCL_PROTO = Simple\n")
+    environ = {"NCCL_CONF_FILE": str(conf), "HOME": str(tmp_path)}
+    settings = nccl_settings(environ)
+    assert settings["NCCL_PROTO"] == "Simple" and settings["NCCL_DEBUG"] == "WARN"
+    env, said = nccl_env_to_apply(PLAN_WITH_LL, settings)
+    assert env == () and "the user's NCCL_PROTO='Simple' wins" in said
+    exported = nccl_settings({**environ, "NCCL_PROTO": "LL"})  # the environment's own first
+    assert exported["NCCL_PROTO"] == "LL"

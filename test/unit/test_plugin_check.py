@@ -90,3 +90,18 @@ def test_an_install_changes_the_key_and_a_file_written_in_the_working_directory_
     assert plugin_check.check_key(FACTS, ENV) == key
     (site / "other_plugin-1.0.dist-info").mkdir()
     assert plugin_check.check_key(FACTS, ENV) != key
+
+
+def test_another_sglang_plugins_source_is_in_the_key(tmp_path, monkeypatch):
+    """A second plugin hooking the same targets changes what ours reports: its source (found
+    through its entry point, not imported) is in the key."""
+    (tmp_path / "other_plugin.py").write_text("def register():\n    pass\n")
+    info = tmp_path / "other_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[sglang.srt.plugins]\nother = other_plugin:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "other_plugin" in plugin_check._plugin_packages()
+    key = plugin_check.check_key(FACTS, ENV)
+    (tmp_path / "other_plugin.py").write_text("def register():\n    return 1\n")
+    assert plugin_check.check_key(FACTS, ENV) != key

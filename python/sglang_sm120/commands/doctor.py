@@ -31,11 +31,24 @@ from sglang_sm120.commands.plugin_check import (
 )
 from sglang_sm120.machine.facts import HostFacts, current_facts
 from sglang_sm120.machine.host_checks import HostFindings, format_checks
+from sglang_sm120.machine.nccl_conf import nccl_settings
 from sglang_sm120.planning.levers import allreduce_levers, lever_lines
 from sglang_sm120.planning.nccl_settings import nccl_env_to_apply, nccl_warnings, warning_lines
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 from sglang_sm120.version import SGLANG_PIN, __version__
+
+NO_LAUNCH_PLAN = "not needed (nccl env: none (no plan from the launcher))"
+
+
+def with_nccl_status(state: dict[str, Any], nccl_set: tuple, nccl_line: str) -> dict[str, Any]:
+    """nccl_tuned_env as a launched TP worker would report it: doctor's worker check has no
+    launch plan, so its own status ("no plan from the launcher") says nothing about this host;
+    what a worker started with this environment would set does."""
+    if state["patches"].get("nccl_tuned_env") != NO_LAUNCH_PLAN:
+        return state  # not loaded, refused, or not an SM12x host: the worker's word stands
+    status = f"needed in the TP worker ({nccl_line})" if nccl_set else f"not needed ({nccl_line})"
+    return {**state, "patches": {**state["patches"], "nccl_tuned_env": status}}
 
 
 def _kernel_coverage(capability: tuple[int, int] | None) -> dict[str, Any]:
@@ -138,12 +151,14 @@ def run(args: argparse.Namespace) -> int:
         deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
         levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp_imports())
         nccl = nccl_warnings(os.environ, facts, deployment, plan)
-        nccl_set, nccl_line = nccl_env_to_apply(plan, os.environ)  # what a TP worker here sets
+        # what a TP worker started with this environment (and NCCL's config files) would set
+        nccl_set, nccl_line = nccl_env_to_apply(plan, nccl_settings(os.environ))
         if worker is not None:
             state = plugin_state(worker)
             checked = keep_state(key, state)
         else:
             state, checked = reused
+    state = with_nccl_status(state, nccl_set, nccl_line)
     progress("reading the kernel images ...")
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
     coverage = _kernel_coverage(capability)

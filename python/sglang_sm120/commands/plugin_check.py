@@ -181,6 +181,7 @@ CACHE_ENTRIES = 16  # one per environment a user alternates between (validation 
 # so an edit of an editable install counts. Other packages count by version (``facts``) and
 # by the mtime of every directory on sys.path (an install or removal changes it).
 SOURCE_PACKAGES = ("sglang", "sglang_sm120", "sgl_kernel_sm120")
+PLUGIN_GROUP = "sglang.srt.plugins"
 SOURCE_SUFFIXES = (".py", ".so", ".json")
 # Variables a shell sets that decide nothing in SGLang's processes; every other one is in the key.
 SHELL_NOISE = frozenset(
@@ -195,9 +196,15 @@ def _source_stamp(package: str) -> str:
     """A digest of every source file of ``package`` (name, size, mtime), found without
     importing it; "absent" where it is not installed."""
     spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         return "absent"
     digest = hashlib.sha256()
+    if not spec.submodule_search_locations:  # a single module
+        try:
+            info = os.stat(spec.origin or "")
+        except OSError:
+            return "absent"
+        return f"{spec.origin}:{info.st_size}:{info.st_mtime_ns}"
     for location in spec.submodule_search_locations:
         for root, dirs, files in os.walk(location):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
@@ -226,16 +233,26 @@ def _path_stamps() -> list[list[Any]]:
     return stamps
 
 
+def _plugin_packages() -> list[str]:
+    """The top-level packages of every ``sglang.srt.plugins`` entry point installed: another
+    plugin hooking the same targets changes what ours reports."""
+    from importlib.metadata import entry_points
+
+    names = {ep.value.split(":")[0].split(".")[0] for ep in entry_points(group=PLUGIN_GROUP)}
+    return sorted(names - set(SOURCE_PACKAGES))
+
+
 def check_key(facts: HostFacts, environ: dict[str, str] | None = None) -> str:
     """Everything that decides what the launcher and a TP worker apply: the interpreter and its
-    path, the source of SGLang and of both our packages, every installed version, this host's
-    facts and every environment variable but a shell's own."""
+    path, the source of SGLang, of both our packages and of every other SGLang plugin, every
+    installed version, this host's facts and every environment variable but a shell's own."""
     environ = dict(os.environ if environ is None else environ)
+    packages = [*SOURCE_PACKAGES, *_plugin_packages()]
     document = {
         "version": CACHE_VERSION,
         "python": [sys.executable, sys.version],
         "path": _path_stamps(),
-        "sources": {name: _source_stamp(name) for name in SOURCE_PACKAGES},
+        "sources": {name: _source_stamp(name) for name in packages},
         "facts": facts.to_json(),
         "env": {
             k: v

@@ -19,11 +19,13 @@ For each token count a decode/verify step can have and the model's hidden size, 
                  doctor's "all-reduce options" say they can run (``upstream_refusals``), each
                  size they decline written as declined (``tuning.DECLINES``)
 
-Then NCCL variants (``planning.tuning.NCCL_VARIANTS``: NCCL_PROTO LL / LL128 / Simple, NCCL_ALGO
-Ring / Tree, a low NCCL_MAX_NCHANNELS, beside NCCL's defaults): NCCL reads these once per process,
-so each variant is measured in freshly spawned rank processes, nccl only, timed and checked like
-every backend; a variant failing capture or the check keeps its reason in the table. The
-estimate of their time is printed before anything is measured.
+Then NCCL variants (``planning.tuning.NCCL_VARIANTS``: NCCL_PROTO LL / Simple, NCCL_ALGO Ring /
+Tree, a low NCCL_MAX_NCHANNELS, beside NCCL's defaults; never LL128, which NCCL warns may corrupt
+data where it did not enable it): NCCL reads these once per process, so each variant is measured
+in freshly spawned rank processes, nccl only, at the token counts and one chunked-prefill size
+(``PREFILL_TOKENS``), timed and checked like every backend; a variant failing capture or the
+check keeps its reason in the table. The estimate of their time is printed before anything is
+measured.
 
 Ranks are one process per GPU when there are enough GPUs. Otherwise they share one GPU as
 streams of one process: only sm120_pcie can run there (NCCL refuses two ranks on one GPU), the
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -55,6 +58,7 @@ from sglang_sm120.planning.tuning import (
     DECLINES,
     NCCL_TUNING_FAMILY,
     NCCL_VARIANTS,
+    PREFILL_TOKENS,
     UPSTREAM_BACKENDS,
     Measurement,
     NcclEnv,
@@ -222,7 +226,7 @@ def variants_not_measured(settings: TuneSettings) -> list[VariantMeasurement]:
     return [
         VariantMeasurement(env, t, None, False, why)
         for env in NCCL_VARIANTS
-        for t in settings.tokens
+        for t in variant_tokens(settings)
     ]
 
 
@@ -639,9 +643,15 @@ def _tune_multiprocess(settings: TuneSettings) -> tuple[list[Measurement], list[
 # ------------------------------------------------------------------------------ NCCL variants
 
 
+def variant_tokens(settings: TuneSettings) -> tuple[int, ...]:
+    """The token counts a variant is timed at: tune's, and one chunked-prefill size."""
+    return tuple(sorted({*settings.tokens, PREFILL_TOKENS}))
+
+
 def variants_estimate_s(settings: TuneSettings) -> float:
     """Seconds the NCCL variants take, about: one spawn of the TP group each."""
-    return len(NCCL_VARIANTS) * (VARIANT_SPAWN_S + len(settings.tokens) * VARIANT_CELL_S)
+    cells = len(variant_tokens(settings))
+    return len(NCCL_VARIANTS) * (VARIANT_SPAWN_S + cells * VARIANT_CELL_S)
 
 
 def estimate_line(settings: TuneSettings) -> str:
@@ -649,7 +659,7 @@ def estimate_line(settings: TuneSettings) -> str:
     minutes = variants_estimate_s(settings) / 60
     return (
         f"tune: after the backends, {len(NCCL_VARIANTS)} NCCL variants ({names}), each in "
-        f"{settings.tp} fresh processes over {len(settings.tokens)} token counts: "
+        f"{settings.tp} fresh processes over {len(variant_tokens(settings))} token counts: "
         f"about {minutes:.1f} min"
     )
 
@@ -707,20 +717,20 @@ def _spawn_variant(settings: TuneSettings, env: NcclEnv) -> list[list[Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         init = str(Path(tmp) / "init")
-        args = (settings, init, str(result), True)
-        spawn_ranks(_rank_main, args, settings.tp, variant_deadline_s(settings))
+        measured = dataclasses.replace(settings, tokens=variant_tokens(settings))
+        args = (measured, init, str(result), True)
+        spawn_ranks(_rank_main, args, settings.tp, variant_deadline_s(measured))
         return json.loads(result.read_text())["rows"]
 
 
 def measure_variants(
     settings: TuneSettings,
     spawn: Callable[[TuneSettings, NcclEnv], list[list[Any]]] = _spawn_variant,
-) -> tuple[list[VariantMeasurement], list[str]]:
+) -> list[VariantMeasurement]:
     """Every NCCL variant at every token count, one fresh spawn each (``spawn``); a spawn that
-    fails as a whole (a rank crashed or NCCL refused the setting) gives every size of that
-    variant its reason. Returns (measurements, notes)."""
+    fails as a whole (a rank crashed, NCCL refused the setting, its deadline passed) gives
+    every size of that variant its reason."""
     rows: list[VariantMeasurement] = []
-    notes = []
     for env in NCCL_VARIANTS:
         try:
             with variant_environment(env):
@@ -728,16 +738,11 @@ def measure_variants(
             cells = {int(t): (us, ok, note) for _, t, us, ok, note in measured}
         except Exception as exc:  # one variant failing must not hide the others
             why = f"failed: {type(exc).__name__}: {exc}"[:300]
-            cells = {t: (None, False, why) for t in settings.tokens}
-        for tokens in settings.tokens:
+            cells = {t: (None, False, why) for t in variant_tokens(settings)}
+        for tokens in variant_tokens(settings):
             us, ok, note = cells.get(tokens, (None, False, "not measured"))
             rows.append(VariantMeasurement(env, tokens, us, ok, note))
-    if ("NCCL_PROTO", "LL128") in {pair for env in NCCL_VARIANTS for pair in env}:
-        notes.append(
-            "NCCL_PROTO=LL128: NCCL runs LL128 only on links and GPUs it enables it for; "
-            "elsewhere it falls back to another protocol, and this variant times what ran"
-        )
-    return rows, notes
+    return rows
 
 
 # ------------------------------------------------------------------------------------ entry
@@ -763,8 +768,7 @@ def run_tune(settings: TuneSettings) -> tuple[TuningTable, Path]:
     if share:
         variants = variants_not_measured(settings)
     else:
-        variants, variant_notes = measure_variants(settings)
-        notes += variant_notes
+        variants = measure_variants(settings)
     notes.append(
         f"measured in {time.monotonic() - started:.0f} s on {torch.cuda.get_device_name()}"
     )

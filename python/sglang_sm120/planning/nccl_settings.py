@@ -37,6 +37,7 @@ from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.planning.policy import AllReducePlan, Deployment
 from sglang_sm120.planning.tuning import (
     NCCL_TUNING_FAMILY,
+    PREFILL_TOKENS,
     UNFUSED_MIN_GAIN,
     NcclEnv,
     TuningTable,
@@ -300,6 +301,25 @@ def _variant_problem(
     return rule_problem
 
 
+def _prefill_loss(
+    variant: VariantMeasurement | None, default: VariantMeasurement | None
+) -> str | None:
+    """Why a variant loses at a chunked-prefill all-reduce (PREFILL_TOKENS), or None: it sets
+    every NCCL call of the process, so it may not be slower than NCCL's default there by more
+    than noise (NCCL_MIN_GAIN's ratio), nor be untimed there."""
+    if default is None or default.us is None or not default.correct:
+        return f"NCCL's default not timed at {PREFILL_TOKENS} tokens (prefill): re-run tune"
+    if variant is None or variant.us is None or not variant.correct:
+        why = variant.note if variant is not None and variant.note else "not measured"
+        return f"at {PREFILL_TOKENS} tokens (prefill): {why}"
+    if variant.us > default.us * (1 + NCCL_MIN_GAIN[0]):
+        return (
+            f"{variant.us / default.us:.2f}x NCCL's default at {PREFILL_TOKENS} tokens "
+            "(prefill): slower where every prefill chunk's all-reduce would use it"
+        )
+    return None
+
+
 def _rule_against(env: NcclEnv, launch: Launch) -> str | None:
     """What doctor would warn about ``env`` for this launch (``NCCL_RULES``), or None."""
     values = dict(env)
@@ -326,12 +346,14 @@ def tuned_nccl_env(
             "nccl env: none (deterministic inference: SGLang pins NCCL_ALGO and the channel "
             "count itself)"
         )
+    if d.ray:
+        return (), "nccl env: none (--use-ray: Ray's actors load no SGLang plugin to set it)"
     if not table.nccl_variants:
         return (), "nccl env: none (the tuning table has no NCCL variants: re-run tune)"
     by_env: dict[NcclEnv, dict[int, VariantMeasurement]] = {}
     for m in table.nccl_variants:
         by_env.setdefault(m.env, {})[m.tokens] = m
-    sizes = nccl_served_sizes(plan, {m.tokens for m in table.nccl_variants})
+    sizes = nccl_served_sizes(plan, {m.tokens for m in table.nccl_variants} - {PREFILL_TOKENS})
     if not sizes:
         return (), "nccl env: none (no measured size stays on NCCL in this plan)"
     where = f"at [{size_ranges(sizes)}] tokens"
@@ -345,6 +367,7 @@ def tuned_nccl_env(
         if not env:
             continue
         problem = _variant_problem(rows, sizes, _rule_against(env, launch))
+        problem = problem or _prefill_loss(rows.get(PREFILL_TOKENS), default.get(PREFILL_TOKENS))
         if problem is not None:
             dropped.append(f"{variant_name(env)} ({problem})")
             continue
@@ -374,14 +397,19 @@ def with_tuned_nccl_env(plan: AllReducePlan, facts: HostFacts, d: Deployment) ->
     return dataclasses.replace(plan, nccl_env=env, nccl_reason=reason)
 
 
-def nccl_env_to_apply(plan: AllReducePlan, environ: Mapping[str, str]) -> tuple[NcclEnv, str]:
+# Set by the user, any of these keeps the tuned variant off: NCCL weighs the family together,
+# and a tuner plugin makes NCCL's choices itself.
+USER_NCCL_TUNING = (*NCCL_TUNING_FAMILY, "NCCL_TUNER_PLUGIN")
+
+
+def nccl_env_to_apply(plan: AllReducePlan, settings: Mapping[str, str]) -> tuple[NcclEnv, str]:
     """(what a TP worker sets, the line that says so): the plan's tuned NCCL_* settings, unless
-    the user set any variable of NCCL_TUNING_FAMILY (NCCL weighs them together, and the user's
-    own choice wins), or nothing when the plan has none."""
+    the user set any of USER_NCCL_TUNING, in the environment or NCCL's config files
+    (``settings``: ``machine.nccl_conf.nccl_settings``), or nothing when the plan has none."""
     if not plan.nccl_env:
         return (), plan.nccl_reason or "nccl env: none (no tuning table)"
     name = variant_name(plan.nccl_env)
-    users = [f"{k}={shown(environ[k])}" for k in NCCL_TUNING_FAMILY if k in environ]
+    users = [f"{k}={shown(settings[k])}" for k in USER_NCCL_TUNING if k in settings]
     if users:
         return (), f"nccl env: tuned {name} not set: the user's {', '.join(users)} wins"
     return plan.nccl_env, f"nccl env: {name} set before NCCL starts; {plan.nccl_reason}"

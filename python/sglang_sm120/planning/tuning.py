@@ -82,14 +82,19 @@ NCCL_VARIANT_KEYS = ("NCCL_PROTO", "NCCL_ALGO", "NCCL_MAX_NCHANNELS")
 NCCL_TUNING_FAMILY = (*NCCL_VARIANT_KEYS, "NCCL_MIN_NCHANNELS")
 # The values a variant may hold: what tune measures, so a table or a published plan cannot make
 # a worker set anything else.
-NCCL_VARIANT_CHOICES = {"NCCL_PROTO": ("LL", "LL128", "Simple"), "NCCL_ALGO": ("Ring", "Tree")}
+# Not LL128: NCCL enables it by default only where it was tested (NVLink on Volta to Blackwell);
+# named in NCCL_PROTO it runs anyway, and NCCL's tuning.cc warns that other cases "may cause
+# silent data corruption" (it relies on 128-byte stores arriving in order; NVIDIA/nccl#786).
+NCCL_VARIANT_CHOICES = {"NCCL_PROTO": ("LL", "Simple"), "NCCL_ALGO": ("Ring", "Tree")}
 MAX_NCHANNELS = 64
-# What tune measures: NCCL's defaults, then one variable changed at a time (seven spawns of the
+# One chunked-prefill all-reduce beside the decode sizes: a variant serves every NCCL call of
+# the process, so it must not lose there (8192: SGLang's chunked_prefill_size on large GPUs).
+PREFILL_TOKENS = 8192
+# What tune measures: NCCL's defaults, then one variable changed at a time (six spawns of the
 # TP group; one variable at a time keeps the grid linear, not a product).
 NCCL_VARIANTS: tuple[tuple[tuple[str, str], ...], ...] = (
     (),
     (("NCCL_PROTO", "LL"),),
-    (("NCCL_PROTO", "LL128"),),  # NCCL runs it only on links/arches it enables it for
     (("NCCL_PROTO", "Simple"),),
     (("NCCL_ALGO", "Ring"),),
     (("NCCL_ALGO", "Tree"),),

@@ -8,8 +8,9 @@ Why: NCCL picks its protocol, algorithm and channel count per message from a mod
 How: a plain setting, no hook: when the plugin registers in a scheduler process (SGLang's
     ``run_scheduler_process`` calls ``load_plugins()`` first, before it builds the Scheduler
     that calls ``init_distributed_environment``), each variable of the plan's ``nccl_env`` is
-    put in ``os.environ``, only when none of NCCL_TUNING_FAMILY is set: a user's own value (or
-    SGLang's, for deterministic inference) wins, and the status line says so. Set in the worker,
+    put in ``os.environ``, only when none of ``USER_NCCL_TUNING`` is set, in the environment or
+    NCCL's config files (``machine.nccl_conf``): a user's own value (or SGLang's, for
+    deterministic inference) wins, and the status line says so. Set in the worker,
     not the launcher: a launcher's variable would look like the user's to its workers, and would
     leak into an Engine user's own process.
 Upstream: none; NCCL tuning is the deployer's job upstream.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+from sglang_sm120.machine.nccl_conf import nccl_settings
 from sglang_sm120.planning.nccl_settings import nccl_env_to_apply
 from sglang_sm120.planning.policy import Capability
 from sglang_sm120.server.contract import Symbol
@@ -43,7 +45,7 @@ def _to_apply() -> tuple[tuple[tuple[str, str], ...], str]:
     plan = worker_plan()
     if plan is None or not plan.managed:
         return (), "nccl env: none (no plan from the launcher)"
-    return nccl_env_to_apply(plan, os.environ)
+    return nccl_env_to_apply(plan, nccl_settings(os.environ))
 
 
 def not_needed(cap: Capability) -> str | None:
