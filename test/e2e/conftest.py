@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sglang_sm120.commands.e2e import ServerRuns, missing_prerequisite
+from sglang_sm120.server.env_report import E2E_PARALLEL
 
 # ---------------------------------------------------------------- fixtures
 
@@ -41,6 +42,9 @@ def server_runs(e2e_ready, tmp_path_factory) -> Iterator[ServerRuns]:
     log_root = os.environ.get("SGLANG_SM120_E2E_LOG_DIR")
     log_dir = Path(log_root) if log_root else tmp_path_factory.mktemp("server-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs = ServerRuns(tmp_path_factory.mktemp("server-runs"), log_dir)
+    # The servers share the GPUs: at most SGLANG_SM120_E2E_PARALLEL alive at once, overall.
+    runs = ServerRuns(
+        tmp_path_factory.mktemp("server-runs"), log_dir, max_running=E2E_PARALLEL.read()
+    )
     yield runs
     runs.stop_all()  # servers started in the background for cases that never ran

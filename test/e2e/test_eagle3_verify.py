@@ -51,6 +51,7 @@ from sglang_sm120.commands.e2e import (
     refused_backend,
 )
 from sglang_sm120.commands.selftest import (
+    MEMORY_FLAGS,
     SHARED_GPU_KV_TOKENS,
     Check,
     designed_tokens_check,
@@ -58,7 +59,7 @@ from sglang_sm120.commands.selftest import (
     greedy_check,
     plan_checks,
 )
-from sglang_sm120.server.env_report import E2E_MIN_ACCEPT, E2E_PARALLEL
+from sglang_sm120.server.env_report import E2E_MIN_ACCEPT
 
 _MISSING = missing_prerequisite()
 if _MISSING:
@@ -152,14 +153,22 @@ REFUSABLE = ("trtllm", "sm120_pcie")
 
 class TinyServers:
     """The tiny-pair servers of one TP size, all started in the background by the first case of
-    that size, ``SGLANG_SM120_E2E_PARALLEL`` at a time, each with a capped KV pool (as selftest
-    starts its pair): a case then waits only for its own two. Only the cases pytest collected
-    count, so ``-k llama`` starts no DeepSeek server. Backends the plan may refuse start after
-    their plan is in; the others start before any plan is asked for."""
+    that size (``server_runs`` keeps ``SGLANG_SM120_E2E_PARALLEL`` alive at once), each with a
+    capped KV pool (as selftest starts its pair): a case then waits only for its own two. Only
+    the cases pytest collected count, so ``-k llama`` starts no DeepSeek server. Backends the
+    plan may refuse start after their plan is in; the others start before any plan is asked for.
+
+    No pre-start (each case starts its own servers when it runs) under pytest-xdist, where
+    every worker collects all cases but runs only its share, and when the extra server args
+    size the memory (selftest's ``MEMORY_FLAGS``): then, as in selftest, servers run one at a
+    time with SGLang's own KV pool."""
 
     def __init__(self, runs: ServerRuns, pairs: dict[str, Any], collected: set[tuple]) -> None:
         self.runs, self.pairs, self.collected = runs, pairs, collected
         self.started: set[int] = set()
+        sized = any(arg.split("=")[0] in MEMORY_FLAGS for arg in env_server_args())
+        self.together = not sized
+        self.pre_start = not sized and "PYTEST_XDIST_WORKER" not in os.environ
 
     def case(self, arch: str, tp: int, backend: str, fusion: str | None) -> Case:
         pair = self.pairs[arch]
@@ -171,11 +180,11 @@ class TinyServers:
             backend,
             fusion,
             tiny_models.PROMPTS,
-            max_total_tokens=SHARED_GPU_KV_TOKENS,
+            max_total_tokens=SHARED_GPU_KV_TOKENS if self.together else None,
         )
 
     def start(self, tp: int) -> None:
-        if tp in self.started:
+        if not self.pre_start or tp in self.started:
             return
         self.started.add(tp)
         cases = sorted((a, b) for a, t, b in self.collected if t == tp)
@@ -192,7 +201,7 @@ class TinyServers:
 
     def _start(self, launches: list[Launch]) -> None:
         if launches:  # memoised: each case's get() waits for its own servers
-            self.runs.start(launches, at_once=True, at_most=E2E_PARALLEL.read()).__enter__()
+            self.runs.start(launches, at_once=True).__enter__()
 
 
 @pytest.fixture(scope="session")

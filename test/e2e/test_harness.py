@@ -267,20 +267,24 @@ def test_launches_one_after_the_other_do_not_overlap(timed_runs) -> None:
     assert stopped < timeline.when(f"starting server {spec.name} ")
 
 
-def test_at_most_n_launches_run_at_a_time(timed_runs) -> None:
-    """Three launches, two at a time: the first two start together, the third only once one of
-    them stopped."""
-    runs, timeline = timed_runs
+def test_at_most_max_running_servers_run_at_once_over_all_batches(timed_runs) -> None:
+    """Three launches in two batches, on runs capped at two: the first two start together, the
+    third only once one of them stopped."""
+    fake, timeline = timed_runs
+    runs = h.ServerRuns(fake.work_dir, fake.log_dir, timeline, max_running=2)
+    runs.startup_s = 60
     launches = [
         h.Launch(f"fake{i}", 1, "off", prompts=("a",), max_new_tokens=4, plugin=False)
         for i in range(3)
     ]
-    with runs.start(launches, at_once=True, at_most=2) as servers:
-        assert [r.launch for r in servers.results()] == launches
-    first, second, third = (timeline.when(f"starting server {x.name} ") for x in launches)
-    assert max(first, second) < timeline.when(f"{launches[0].name} ready")
-    stopped = min(timeline.when(f"server {x.name} stopped") for x in launches[:2])
-    assert stopped < third
+    with runs.start(launches[:2], at_once=True) as pair, runs.start(launches[2:], at_once=True):
+        assert [r.launch for r in pair.results()] == launches[:2]
+        assert runs.get(launches[2]).launch == launches[2]
+    starts = sorted(timeline.when(f"starting server {x.name} ") for x in launches)
+    first_ready = min(timeline.when(f"{x.name} ready") for x in launches)
+    assert starts[1] < first_ready
+    first_stopped = min(timeline.when(f"server {x.name} stopped") for x in launches)
+    assert first_stopped < starts[2]
 
 
 def test_a_launch_that_fails_beside_another_is_reported_and_the_other_kept(timed_runs) -> None:
@@ -312,3 +316,53 @@ def test_leaving_the_block_by_an_exception_stops_every_server_it_started(timed_r
             raise KeyboardInterrupt
     pids = worker_pids()
     assert len(pids) == 4 and all(gone(pid) for pid in pids)
+
+
+def test_a_server_failed_in_the_background_is_reported_not_started_again(timed_runs) -> None:
+    runs, timeline = timed_runs
+    crash = h.Launch("crash", 1, "off", prompts=("a",))
+    with runs.start([crash], at_once=True) as servers:
+        (failed,) = servers.results()
+    assert isinstance(failed, h.ServerFailed)
+    for _ in range(2):
+        with pytest.raises(h.ServerFailed) as raised:
+            runs.get(crash)
+        assert raised.value is failed
+    assert len(list(runs.log_dir.glob("*.log"))) == 1
+    assert sum("starting server" in line for _, line in timeline.lines) == 1
+
+
+def test_no_server_starts_once_all_are_being_stopped(timed_runs) -> None:
+    runs, timeline = timed_runs
+    runs.stop_all()
+    with pytest.raises(h.ServerFailed, match="not started"):
+        runs.get(h.Launch("fake", 1, "off", prompts=("a",)))
+    assert not list(runs.log_dir.glob("*.log")) and not timeline.lines
+
+
+def test_a_server_started_as_stop_all_lists_them_is_stopped_at_once(
+    timed_runs, monkeypatch
+) -> None:
+    """stop_all lists the running servers just after this one's Popen, before it is
+    registered: registering it sees ``stopping`` and stops it without waiting for it."""
+    runs, timeline = timed_runs
+    runs.startup_s = 600
+    started: list = []
+    popen = h.subprocess.Popen
+
+    def popen_then_stop_all(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        runs.stop_all()  # lists no server: this one is not registered yet
+        return started[-1]
+
+    monkeypatch.setattr(h.subprocess, "Popen", popen_then_stop_all)
+    launch = h.Launch("fake", 1, "off", prompts=("a",), max_new_tokens=4, plugin=False)
+    begun = time.monotonic()
+    with pytest.raises(h.ServerFailed, match="stopped while starting"):
+        runs.get(launch)
+    assert time.monotonic() - begun < 30
+    assert started[0].poll() is not None and gone(started[0].pid)
+    assert not any("ready" in line for _, line in timeline.lines)
+    runs.stopping.clear()
+    monkeypatch.setattr(h.subprocess, "Popen", popen)
+    assert runs.get(launch).launch == launch  # a stop's failure is not memoised

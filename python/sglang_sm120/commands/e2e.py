@@ -5,8 +5,9 @@ reason where GPUs or packages are missing). Each server runs on the first ``tp``
 in its own process group; it is stopped, workers included, as soon as its results are collected,
 and also when it fails or the caller is interrupted. ``ServerRuns.get`` runs one server;
 ``ServerRuns.start`` runs several in background threads, at the same time or one after the
-other, while the caller does other work. Results are memoised per launch, so the checks (greedy
-equality, graph replays, fused all-reduce, accept length) share one server each.
+other, while the caller does other work. Results, and failures, are memoised per launch, so the
+checks (greedy equality, graph replays, fused all-reduce, accept length) share one server each
+and a server that failed in the background is reported, not started again.
 
 Environment knobs of the e2e test suite (all optional):
 
@@ -18,8 +19,9 @@ Environment knobs of the e2e test suite (all optional):
 - ``SGLANG_SM120_E2E_REAL_TP``: TP sizes for the real pair (default: the largest one available).
 - ``SGLANG_SM120_E2E_REAL_TREE``: steps,topk,draft tokens for the real pair (default 3,1,4).
 - ``SGLANG_SM120_E2E_STARTUP_S``: server start-up timeout (default 900; selftest reads it too).
-- ``SGLANG_SM120_E2E_PARALLEL``: how many tiny-pair servers of one TP size the suite starts at
-  the same time, each with a capped KV pool (default 4; 1: one after the other).
+- ``SGLANG_SM120_E2E_PARALLEL``: how many servers the suite runs at the same time, overall
+  (``ServerRuns``'s ``max_running``); tiny-pair ones get a capped KV pool (default 4; 1: one
+  after the other).
 - ``SGLANG_SM120_E2E_LOG_DIR``: keep server logs there (CI uploads them); default a tmp dir.
 - ``SGLANG_SM120_E2E_SERVER_ARGS``: extra arguments for every server, split as a shell would
   (e.g. ``--attention-backend triton`` where FA3 is missing); selftest's ``--server-arg``.
@@ -426,14 +428,21 @@ def count(stats: dict[str, Any], key: str, mode: str = VERIFY_MODE) -> int:
 class ServerRuns:
     """Launch servers on demand and memoise their results, from any thread. ``progress``, when
     given, hears a line per stage, each naming its server, and one every ``progress_every_s``
-    while a server starts; it must be safe to call from several threads."""
+    while a server starts; it must be safe to call from several threads. ``max_running`` caps
+    the servers alive at once over all callers and batches (None: no cap), since they share
+    the GPUs; a launch over the cap waits for a slot."""
 
     def __init__(
-        self, work_dir: Path, log_dir: Path, progress: Callable[[str], None] | None = None
+        self,
+        work_dir: Path,
+        log_dir: Path,
+        progress: Callable[[str], None] | None = None,
+        max_running: int | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.log_dir = log_dir
         self.results: dict[Launch, RunResult] = {}
+        self.failures: dict[Launch, ServerFailed] = {}
         self.startup_s = E2E_STARTUP_S.read()
         self.progress = progress or (lambda line: None)
         self.progress_every_s = 15.0
@@ -443,24 +452,31 @@ class ServerRuns:
         self._launch_locks: dict[Launch, threading.Lock] = {}
         self._running: set[subprocess.Popen] = set()
         self._ports: set[int] = set()
+        self._slots = threading.Semaphore(max_running) if max_running else None
 
     def get(self, launch: Launch) -> RunResult:
         """The launch's result, running its server unless an earlier call did (a second
-        thread asking for the same launch waits for the first one's server)."""
+        thread asking for the same launch waits for the first one's server). Its ServerFailed
+        is memoised too and raised again; one caused by ``stop_all`` is not (a later call may
+        start it)."""
         with self._lock:
             launch_lock = self._launch_locks.setdefault(launch, threading.Lock())
         with launch_lock:
+            if launch in self.failures:
+                raise self.failures[launch]
             if launch not in self.results:
-                self.results[launch] = self._run(launch)
+                try:
+                    self.results[launch] = self._run(launch)
+                except ServerFailed as exc:
+                    if not self.stopping.is_set():
+                        self.failures[launch] = exc
+                    raise
             return self.results[launch]
 
-    def start(
-        self, launches: Sequence[Launch], at_once: bool, at_most: int | None = None
-    ) -> ServerBatch:
-        """Run ``launches`` in the background, at the same time (``at_most`` of them at a time,
-        default all) or one after the other; use it as ``with runs.start(...) as batch: ...;
-        batch.results()``."""
-        return ServerBatch(self, launches, at_once, at_most)
+    def start(self, launches: Sequence[Launch], at_once: bool) -> ServerBatch:
+        """Run ``launches`` in the background, at the same time (within ``max_running``) or one
+        after the other; use it as ``with runs.start(...) as batch: ...; batch.results()``."""
+        return ServerBatch(self, launches, at_once)
 
     def stop_all(self) -> None:
         """Stop every running server now and start no new one (until ``stopping`` is cleared):
@@ -486,6 +502,25 @@ class ServerRuns:
         return index, port
 
     def _run(self, launch: Launch) -> RunResult:
+        """Run the server holding a slot (``max_running``) for its whole life; waiting for
+        one ends when all servers are being stopped."""
+        if self._slots is None:
+            return self._run_in_slot(launch)
+        while not self._slots.acquire(timeout=0.5):
+            if self.stopping.is_set():
+                raise self._not_started(launch)
+        try:
+            return self._run_in_slot(launch)
+        finally:
+            self._slots.release()
+
+    def _not_started(self, launch: Launch) -> ServerFailed:
+        log = self.log_dir / f"{launch.name}.log"  # not written: no server started
+        return ServerFailed("not started: all servers are being stopped", log)
+
+    def _run_in_slot(self, launch: Launch) -> RunResult:
+        if self.stopping.is_set():  # stop_all may have listed the servers already
+            raise self._not_started(launch)
         index, port = self._reserve()
         stats_dir = self.work_dir / f"stats-{index}"
         stats_dir.mkdir(parents=True)
@@ -509,8 +544,16 @@ class ServerRuns:
                 self._ports.discard(port)
             raise
         with self._lock:
+            # stop_all sets stopping, then lists _running: either it lists this server or
+            # this step sees stopping, so none is left running.
             self._running.add(proc)
+            stopped = self.stopping.is_set()
+            if stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
         try:
+            if stopped:
+                raise ServerFailed("stopped while starting: all servers are being stopped", log)
             startup_s = self._wait_ready(proc, url, log, launch.name)
             self.progress(f"server {launch.name} ready after {startup_s:.0f} s; sending requests")
             result = self._collect(launch, url, stats_dir, log)
@@ -588,8 +631,8 @@ class ServerRuns:
 
 
 class ServerBatch:
-    """Launches running in background threads: one thread each (at the same time), ``at_most``
-    threads each running its share in order, or one thread running them all in order. Each
+    """Launches running in background threads: one thread each (at the same time, within
+    ``ServerRuns``'s ``max_running``), or one thread running them all in order. Each
     server is a subprocess in its own process group, so a thread only waits on it. Signals
     reach the main thread alone: leaving the ``with`` block by any exception (a signal's
     included) stops every server of ``runs`` before it propagates."""
@@ -601,14 +644,12 @@ class ServerBatch:
         runs: ServerRuns,
         launches: Sequence[Launch],
         at_once: bool,
-        at_most: int | None = None,
     ) -> None:
         self.runs = runs
         self.launches = tuple(launches)
         self.outcomes: dict[int, RunResult | BaseException] = {}
-        threads = (at_most or len(self.launches)) if at_once else 1
-        threads = max(1, min(threads, len(self.launches)))
-        groups = [list(range(first, len(self.launches), threads)) for first in range(threads)]
+        everything = list(range(len(self.launches)))
+        groups = [[i] for i in everything] if at_once else [everything]
         self.threads = [
             threading.Thread(target=self._run, args=(group,), daemon=True) for group in groups
         ]
