@@ -662,3 +662,22 @@ def test_a_server_that_failed_otherwise_is_not_called_a_peer_timeout(monkeypatch
     written = e2e.read_stats(after_dir)
     checks = verdict(reference, None, failures={"eagle3": "exited"}, stats_at_failure=written)
     assert checks["no peer timeout (sm120_pcie)"].passed
+
+
+def test_a_signal_during_a_c_extensions_import_still_counts_as_the_stop():
+    """SIGTERM landing while triton's C extension initialises (SGLang's import, asking for the
+    plan) surfaces as "ImportError: initialization failed" chained to StopRequested: selftest
+    still exits 128 + signum, not with a traceback (seen once in CI)."""
+    import signal
+
+    from sglang_sm120.commands.selftest import StopRequested, stop_requested_in
+
+    stop = StopRequested(signal.SIGTERM)
+    try:
+        try:
+            raise stop
+        except StopRequested as inner:
+            raise ImportError("initialization failed") from inner
+    except ImportError as exc:
+        assert stop_requested_in(exc) is stop
+    assert stop_requested_in(ValueError("unrelated")) is None

@@ -94,6 +94,18 @@ class Outcome:
     stats: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
+def stop_requested_in(exc: BaseException) -> StopRequested | None:
+    """The StopRequested behind ``exc``: a signal that lands while a C extension initialises
+    (triton's, during SGLang's import) reaches us as that module's ImportError, chained."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StopRequested):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class StopRequested(BaseException):
     """SIGINT or SIGTERM arrived: unwind (servers stop in ``finally``), then exit."""
 
@@ -627,7 +639,10 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_signals():
         try:
             report = run_selftest(args, tp, work, log_dir)
-        except StopRequested as stop:
+        except BaseException as exc:
+            stop = stop_requested_in(exc)
+            if stop is None:
+                raise
             print(
                 f"sglang-sm120 selftest: stopped by {stop}; servers stopped; "
                 f"logs kept in {log_dir}",
