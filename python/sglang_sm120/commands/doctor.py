@@ -36,16 +36,15 @@ from sglang_sm120.planning.levers import allreduce_levers, lever_lines
 from sglang_sm120.planning.nccl_settings import nccl_env_to_apply, nccl_warnings, warning_lines
 from sglang_sm120.planning.policy import VALIDATION_NOTE
 from sglang_sm120.planning.upstream import FUSION_ARCHS
+from sglang_sm120.server.runtime import NO_LAUNCH_PLAN_NCCL
 from sglang_sm120.version import SGLANG_PIN, __version__
-
-NO_LAUNCH_PLAN = "not needed (nccl env: none (no plan from the launcher))"
 
 
 def with_nccl_status(state: dict[str, Any], nccl_set: tuple, nccl_line: str) -> dict[str, Any]:
     """nccl_tuned_env as a launched TP worker would report it: doctor's worker check has no
     launch plan, so its own status ("no plan from the launcher") says nothing about this host;
     what a worker started with this environment would set does."""
-    if state["patches"].get("nccl_tuned_env") != NO_LAUNCH_PLAN:
+    if state["patches"].get("nccl_tuned_env") != f"not needed ({NO_LAUNCH_PLAN_NCCL})":
         return state  # not loaded, refused, or not an SM12x host: the worker's word stands
     status = f"needed in the TP worker ({nccl_line})" if nccl_set else f"not needed ({nccl_line})"
     return {**state, "patches": {**state["patches"], "nccl_tuned_env": status}}

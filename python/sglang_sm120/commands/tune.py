@@ -626,15 +626,20 @@ def time_graph(
     return per_call_us(everyone, calls)
 
 
-def _tune_multiprocess(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
+def run_ranks(settings: TuneSettings, deadline_s: float, nccl_only: bool = False) -> dict:
+    """One process per GPU running ``_rank_main``; rank 0's result document."""
     import json
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        args = (settings, str(Path(tmp) / "init"), str(result))
-        spawn_ranks(_rank_main, args, settings.tp, BACKENDS_DEADLINE_S)
-        data = json.loads(result.read_text())
+        args = (settings, str(Path(tmp) / "init"), str(result), nccl_only)
+        spawn_ranks(_rank_main, args, settings.tp, deadline_s)
+        return json.loads(result.read_text())
+
+
+def _tune_multiprocess(settings: TuneSettings) -> tuple[list[Measurement], list[str]]:
+    data = run_ranks(settings, BACKENDS_DEADLINE_S)
     measurements = [Measurement(*row) for row in data["rows"]]
     notes = [f"{name}: {why}" for name, why in sorted(data["skipped"].items())]
     return measurements, notes + data.get("notes", [])
@@ -648,10 +653,14 @@ def variant_tokens(settings: TuneSettings) -> tuple[int, ...]:
     return tuple(sorted({*settings.tokens, PREFILL_TOKENS}))
 
 
+def variant_estimate_s(settings: TuneSettings) -> float:
+    """Seconds one NCCL variant takes, about: a spawn of the TP group and its cells."""
+    return VARIANT_SPAWN_S + len(variant_tokens(settings)) * VARIANT_CELL_S
+
+
 def variants_estimate_s(settings: TuneSettings) -> float:
     """Seconds the NCCL variants take, about: one spawn of the TP group each."""
-    cells = len(variant_tokens(settings))
-    return len(NCCL_VARIANTS) * (VARIANT_SPAWN_S + cells * VARIANT_CELL_S)
+    return len(NCCL_VARIANTS) * variant_estimate_s(settings)
 
 
 def estimate_line(settings: TuneSettings) -> str:
@@ -682,7 +691,7 @@ def variant_environment(env: NcclEnv) -> Iterator[None]:
 def variant_deadline_s(settings: TuneSettings) -> float:
     """How long one variant's spawn may take before it counts as hung: four times its share of
     the estimate, and at least two minutes (a rank blocked in NCCL never returns by itself)."""
-    return max(120.0, 4 * (VARIANT_SPAWN_S + len(settings.tokens) * VARIANT_CELL_S))
+    return max(120.0, 4 * variant_estimate_s(settings))
 
 
 def spawn_ranks(fn: Callable, args: tuple, nprocs: int, deadline_s: float) -> None:
@@ -711,16 +720,8 @@ def spawn_ranks(fn: Callable, args: tuple, nprocs: int, deadline_s: float) -> No
 def _spawn_variant(settings: TuneSettings, env: NcclEnv) -> list[list[Any]]:
     """One variant's rows (backend, tokens, us, correct, note), from fresh rank processes,
     which inherit the variant's environment (``variant_environment``)."""
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        init = str(Path(tmp) / "init")
-        measured = dataclasses.replace(settings, tokens=variant_tokens(settings))
-        args = (measured, init, str(result), True)
-        spawn_ranks(_rank_main, args, settings.tp, variant_deadline_s(measured))
-        return json.loads(result.read_text())["rows"]
+    measured = dataclasses.replace(settings, tokens=variant_tokens(settings))
+    return run_ranks(measured, variant_deadline_s(settings), nccl_only=True)["rows"]
 
 
 def measure_variants(

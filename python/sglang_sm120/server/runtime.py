@@ -593,6 +593,10 @@ def _launch_plan() -> tuple[int, Capability, AllReducePlan] | None:
     return tp_size, capability, plan
 
 
+# What nccl_tuned_env says in a TP worker without a launch plan (doctor's worker check).
+NO_LAUNCH_PLAN_NCCL = "nccl env: none (no plan from the launcher)"
+
+
 def worker_plan() -> AllReducePlan | None:
     """The launcher's plan, in a worker; None when the launcher published none (the worker
     patches then leave every decision to upstream)."""

@@ -25,7 +25,12 @@ from sglang_sm120.machine.nccl_conf import nccl_settings
 from sglang_sm120.planning.nccl_settings import nccl_env_to_apply
 from sglang_sm120.planning.policy import Capability
 from sglang_sm120.server.contract import Symbol
-from sglang_sm120.server.runtime import process_role, record_nccl_env, worker_plan
+from sglang_sm120.server.runtime import (
+    NO_LAUNCH_PLAN_NCCL,
+    process_role,
+    record_nccl_env,
+    worker_plan,
+)
 
 CONTRACT = (
     # The order this patch relies on: plugins load before the Scheduler exists.
@@ -44,7 +49,7 @@ _set: dict[str, str] = {}
 def _to_apply() -> tuple[tuple[tuple[str, str], ...], str]:
     plan = worker_plan()
     if plan is None or not plan.managed:
-        return (), "nccl env: none (no plan from the launcher)"
+        return (), NO_LAUNCH_PLAN_NCCL
     return nccl_env_to_apply(plan, nccl_settings(os.environ))
 
 
