@@ -27,6 +27,7 @@
 //   workspace with a recorded error turns every later launch into a no-op.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -40,6 +41,7 @@ namespace {
 constexpr int kVecElems = 8;  // 16-bit elements in one 16-byte vector
 constexpr int kMaxHidden = 16384;
 constexpr int kMaxVecPerThread = kMaxHidden / kVecElems / SK_THREADS;  // row held in registers
+constexpr int kMaxVecPerSlice = kMaxVecPerThread / 2;  // a row split over >= 2 blocks
 constexpr int kWarps = SK_THREADS / 32;
 constexpr int kKindPush = 0;
 constexpr int kKindGather = 1;
@@ -54,6 +56,7 @@ constexpr int kStateDirty = 2;  // 3 words: vectors per peer slot written into e
 struct Shared {
   int abort;
   float red[kWarps];
+  float row_part;  // this block's share of its row's sum of squares (read by its cluster)
 };
 
 constexpr uint32_t kEmptyWord = 0xFFFFFFFFu;  // two "not arrived" lanes
@@ -342,6 +345,77 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
   return true;
 }
 
+// The same epilogue with each row split across the row_blocks blocks of one thread-block
+// cluster (grid = rows x row_blocks, cluster c owns row c): every block polls, sums and writes
+// its slice of the row, and the slices' sums of squares meet in distributed shared memory.
+// At verify sizes this spreads a row's reduction over as many SMs as the plain all-reduce
+// uses, where add_rmsnorm_rows gives it to one block. Every block reaches both cluster
+// barriers even when it gave up (a peer block must not wait for it, nor read the shared
+// memory of a block that has exited), and the slices are added in cluster-rank order, so every
+// rank gets the same bits.
+template <typename T, typename SumOf>
+__device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int parts = static_cast<int>(cluster.num_blocks());
+  const int part = static_cast<int>(cluster.block_rank());
+  const int row = blockIdx.x / parts;
+  const int row_vecs = p.hidden / kVecElems;
+  const int per_part = (row_vecs + parts - 1) / parts;
+  const int lo = part * per_part, hi = min(row_vecs, lo + per_part);
+  const int64_t base = static_cast<int64_t>(row) * row_vecs;
+  const uint4* residual_in = static_cast<const uint4*>(p.residual_in);
+  uint4* residual_out = static_cast<uint4*>(p.residual_out);
+  const uint4* weight = static_cast<const uint4*>(p.weight);
+  uint4* output = static_cast<uint4*>(p.output);
+  const int t = threadIdx.x;
+  uint4 res[kMaxVecPerSlice], w[kMaxVecPerSlice];
+#pragma unroll
+  for (int k = 0; k < kMaxVecPerSlice; ++k) {
+    const int c = lo + t + k * SK_THREADS;
+    if (c < hi) {
+      res[k] = __ldg(residual_in + base + c);
+      w[k] = __ldg(weight + c);
+    }
+  }
+  float val[kMaxVecPerSlice][8];
+  float sum_sq = 0.f;
+  bool ok = true;
+#pragma unroll
+  for (int k = 0; k < kMaxVecPerSlice; ++k) {
+    const int c = lo + t + k * SK_THREADS;
+    if (c < hi && ok) {
+      ok = sum_of(base + c, val[k]);
+      Vec8<T>::add_to(val[k], res[k]);
+      residual_out[base + c] = Vec8<T>::pack(val[k]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum_sq += val[k][i] * val[k][i];
+    }
+  }
+  bool aborted;
+  sum_sq = block_sum(sum_sq, sh, aborted);
+  if (t == 0) sh.row_part = sum_sq;
+  cluster.sync();
+  float total = 0.f;
+  for (int i = 0; i < parts; ++i) total += *cluster.map_shared_rank(&sh.row_part, i);
+  cluster.sync();
+  if (aborted) return false;
+  const float scale = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
+#pragma unroll
+  for (int k = 0; k < kMaxVecPerSlice; ++k) {
+    const int c = lo + t + k * SK_THREADS;
+    if (c < hi) {
+      float wf[8];
+      zero(wf);
+      Vec8<T>::add_to(wf, w[k]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) val[k][i] = val[k][i] * scale * wf[i];
+      output[base + c] = Vec8<T>::pack(val[k]);
+    }
+  }
+  return true;
+}
+
 // residual_out = reduced + residual_in; output = RMSNorm(residual_out) * weight, where the
 // all-reduced rows are already 16-bit vectors in `reduced` (the split fused call's second launch,
 // the two-shot fused epilogue). Only the raw 16-byte vectors stay in registers across the block
@@ -470,7 +544,7 @@ __device__ __forceinline__ int64_t oneshot_share(int64_t nvec, int64_t& v0, int6
 
 // One-shot, Lamport-style (see the top of this file). `state` is this call's state; the
 // one-shot counter and dirty sizes in it are advanced here for the copies the kernel writes.
-template <typename T, bool kFused, bool kPreloaded>
+template <typename T, bool kFused, bool kPreloaded, bool kRowSplit>
 __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS],
                             const uint4& first_input) {
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
@@ -554,10 +628,16 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
     }
     stamp(p, 4);
   } else {
-    // Rows do not follow the push partition, and need not: each block polls the rows it owns.
-    add_rmsnorm_rows<T>(p, sh, [&](int64_t v, float (&acc)[8]) {
+    // Rows do not follow the push partition, and need not: each block polls the rows (or the
+    // slice of its row) it owns.
+    auto sum_of = [&](int64_t v, float (&acc)[8]) {
       return sum_arrived<T>(acc, p, sh, slots, slot_vecs, input, v, epoch);
-    });
+    };
+    if constexpr (kRowSplit) {
+      add_rmsnorm_row_split<T>(p, sh, sum_of);
+    } else {
+      add_rmsnorm_rows<T>(p, sh, sum_of);
+    }
     stamp(p, 4);
   }
 }
@@ -641,7 +721,9 @@ __global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const SkLaun
 // Compute at 4 tokens, TP2 H200, warm calls: instruction-fetch stalls are 6% of the plain
 // kernel's active warp cycles (FlashInfer's fused kernel: 1.6%); the split did not move the
 // graph-timed call time beyond run-to-run noise (README, "Measured").
-template <typename T, int kVariant, bool kFused>
+// kRowSplit: the fused one-shot kernel launched as one cluster per row (row_blocks > 1); its
+// own instantiation, as both epilogues in one kernel exceed 128 registers and spill.
+template <typename T, int kVariant, bool kFused, bool kRowSplit = false>
 __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunchParams p) {
   __shared__ Shared sh;
   uint32_t* ctl = p.control;
@@ -670,7 +752,7 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
   stamp(p, 1);
   if (!sh.abort) {
     if constexpr (kVariant == SK_VARIANT_ONESHOT) {
-      run_oneshot<T, kFused, preload>(p, sh, state, first_input);
+      run_oneshot<T, kFused, preload, kRowSplit>(p, sh, state, first_input);
     } else {
       const int parity = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER)
                              ? 0
@@ -694,9 +776,10 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
 using KernelFn = void (*)(const SkLaunchParams);
 
 template <typename T>
-KernelFn kernel_for_type(int variant, int fused) {
+KernelFn kernel_for_type(int variant, int fused, bool row_split) {
   if (fused == SK_FUSED_NORM_ONLY) return add_rmsnorm_kernel<T>;
   if (variant == SK_VARIANT_ONESHOT) {
+    if (row_split) return all_reduce_kernel<T, SK_VARIANT_ONESHOT, true, true>;
     return fused ? all_reduce_kernel<T, SK_VARIANT_ONESHOT, true>
                  : all_reduce_kernel<T, SK_VARIANT_ONESHOT, false>;
   }
@@ -704,9 +787,9 @@ KernelFn kernel_for_type(int variant, int fused) {
                : all_reduce_kernel<T, SK_VARIANT_TWOSHOT, false>;
 }
 
-KernelFn kernel_for(int dtype, int variant, int fused) {
-  if (dtype == SK_DTYPE_BF16) return kernel_for_type<__nv_bfloat16>(variant, fused);
-  if (dtype == SK_DTYPE_FP16) return kernel_for_type<__half>(variant, fused);
+KernelFn kernel_for(int dtype, int variant, int fused, bool row_split) {
+  if (dtype == SK_DTYPE_BF16) return kernel_for_type<__nv_bfloat16>(variant, fused, row_split);
+  if (dtype == SK_DTYPE_FP16) return kernel_for_type<__half>(variant, fused, row_split);
   return nullptr;
 }
 
@@ -714,10 +797,12 @@ KernelFn kernel_for(int dtype, int variant, int fused) {
 const KernelFn kPeerKernels[] = {
     all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, false>,
     all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, true>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, true, true>,
     all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT, false>,
     all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT, true>,
     all_reduce_kernel<__half, SK_VARIANT_ONESHOT, false>,
     all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true>,
+    all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true, true>,
     all_reduce_kernel<__half, SK_VARIANT_TWOSHOT, false>,
     all_reduce_kernel<__half, SK_VARIANT_TWOSHOT, true>,
 };
@@ -866,7 +951,8 @@ SK_EXPORT int sk_preload(int device) {
 
 SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) {
   const SkLaunchParams& p = *params;
-  const KernelFn fn = kernel_for(p.dtype, p.variant, p.fused);
+  const bool row_split = p.row_blocks > 1;
+  const KernelFn fn = kernel_for(p.dtype, p.variant, p.fused, row_split);
   const int max_blocks = p.fused == SK_FUSED_NORM_ONLY ? SK_MAX_NORM_BLOCKS : SK_MAX_BLOCKS;
   if (fn == nullptr || p.world_size < 1 || p.world_size > SK_MAX_RANKS || p.rank < 0 ||
       p.rank >= p.world_size || p.blocks < 1 || p.blocks > max_blocks ||
@@ -875,8 +961,23 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
                    static_cast<int64_t>(p.rows) * p.hidden != p.numel))) {
     return cudaErrorInvalidValue;  // the Python layer validates first and explains why
   }
+  if (p.row_blocks < 1 || p.row_blocks > SK_MAX_ROW_BLOCKS ||
+      (row_split && (p.fused != SK_FUSED_RMSNORM || p.variant != SK_VARIANT_ONESHOT ||
+                     static_cast<int64_t>(p.rows) * p.row_blocks != p.blocks))) {
+    return cudaErrorInvalidValue;
+  }
   return on_device(device, [&]() -> int {
-    fn<<<p.blocks, SK_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(p);
-    return cudaGetLastError();
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(p.blocks);
+    config.blockDim = dim3(SK_THREADS);
+    config.stream = static_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute cluster[1];
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = static_cast<unsigned>(p.row_blocks);
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = 1;
+    config.attrs = cluster;
+    config.numAttrs = row_split ? 1 : 0;
+    return cudaLaunchKernelEx(&config, fn, p);
   });
 }

@@ -12,7 +12,7 @@
 extern "C" {
 #endif
 
-#define SK_ABI_VERSION 3
+#define SK_ABI_VERSION 4
 #define SK_MAX_RANKS 8
 #define SK_MAX_BLOCKS 128
 #define SK_THREADS 512
@@ -49,6 +49,7 @@ extern "C" {
                               // communication: the second launch of a split fused call, one
                               // block per row (grid up to SK_MAX_NORM_BLOCKS), any variant
 #define SK_MAX_NORM_BLOCKS 65535
+#define SK_MAX_ROW_BLOCKS 8  // the portable cluster size (SM90, SM120)
 
 // Debug switches, used only by tests.
 #define SK_DEBUG_SINGLE_BUFFER 1  // UNSAFE: one buffer instead of three / two (negative control)
@@ -85,7 +86,9 @@ typedef struct {
   int32_t dtype;             // SK_DTYPE_*
   int32_t debug_flags;       // SK_DEBUG_*
   int32_t debug_delay_rank;  // -1: none
-  int32_t pad_;
+  int32_t row_blocks;        // fused one-shot: blocks per row, one thread-block cluster each
+                             // (1: a block owns whole rows; 2..SK_MAX_ROW_BLOCKS: blocks ==
+                             // rows x row_blocks, launched as clusters of row_blocks)
 } SkLaunchParams;
 
 int sk_abi_version(void);

@@ -30,7 +30,7 @@ except ImportError:  # not installed: use the sources (the library then comes fr
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "python"))
     import sgl_kernel_sm120 as sk
 
-from sgl_kernel_sm120 import _lib
+from sgl_kernel_sm120 import _lib, config
 from sgl_kernel_sm120.testing import (
     TOLERANCES,
     LocalRanks,
@@ -423,18 +423,25 @@ def test_cuda_graph_replays_1000_times_with_changing_inputs(world_size):
         ranks.close()
 
 
+@pytest.mark.parametrize(
+    ("tokens", "hidden"), [(64, 2048), (4, 7168)], ids=["block-per-row", "row-split-cluster"]
+)
 @pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
-def test_missing_peer_fails_with_error_within_timeout(variant):
+def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden):
     world_size, timeout_ms = 4, 300
     ranks = _make_ranks(
         world_size,
         max_tokens=64,
-        hidden=2048,
+        hidden=hidden,
         timeout_ms=timeout_ms,
-        oneshot_max_bytes=64 * 2048 * 2,
+        oneshot_max_bytes=64 * hidden * 2,
     )
+    expected_row_blocks = 4 if (variant, hidden) == ("oneshot", 7168) else 1
+    code = _lib.VARIANT_ONESHOT if variant == "oneshot" else _lib.VARIANT_TWOSHOT
+    tuning = ranks.workspaces[0].tuning
+    assert config.row_blocks(tokens, hidden, code, tuning) == expected_row_blocks
     try:
-        xs, residual, weight = _inputs(world_size, 64, 2048, torch.bfloat16, seed=1)
+        xs, residual, weight = _inputs(world_size, tokens, hidden, torch.bfloat16, seed=1)
         absent = world_size - 1  # this rank never calls
         start = time.perf_counter()
         ranks.run(

@@ -124,6 +124,33 @@ def test_fused_call_splits_only_when_a_block_would_own_several_rows(
     assert sk.split_fused(rows, blocks, tuning) is split
 
 
+@pytest.mark.parametrize(
+    ("rows", "hidden", "variant", "max_blocks", "expected"),
+    [
+        (1, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 896 vectors: 4 slices of 224
+        (8, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 32 blocks: the measured bound
+        (16, 7168, _lib.VARIANT_ONESHOT, 128, 1),  # 64 blocks lost on the H200
+        (16, 7168, _lib.VARIANT_ONESHOT, 16, 1),  # 8 ranks sharing one H200: 16 blocks each
+        (4, 7168, _lib.VARIANT_ONESHOT, 16, 4),
+        (1, 16384, _lib.VARIANT_ONESHOT, 128, 8),  # never past the portable cluster size
+        (1, 2048, _lib.VARIANT_ONESHOT, 128, 1),  # 256 vectors: one block is enough
+        (1, 4096, _lib.VARIANT_ONESHOT, 128, 2),
+        (1, 7168, _lib.VARIANT_TWOSHOT, 128, 1),  # two-shot keeps its own epilogue
+    ],
+)
+def test_row_blocks_splits_small_one_shot_rows_across_a_cluster(
+    rows, hidden, variant, max_blocks, expected
+):
+    tuning = sk.resolve_tuning(2, max_blocks=max_blocks)
+    assert config.row_blocks(rows, hidden, variant, tuning) == expected
+
+
+def test_row_blocks_matches_the_kernels_cluster_bound():
+    kernel_sources = Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "csrc"
+    header = (kernel_sources / "sk_api.h").read_text()
+    assert f"#define SK_MAX_ROW_BLOCKS {config.MAX_ROW_BLOCKS} " in header
+
+
 def test_fused_rows_per_block_defaults_to_one_and_reads_its_variable(monkeypatch):
     assert sk.resolve_tuning(2).fused_rows_per_block == 1
     monkeypatch.setenv("SGLANG_SM120_FUSED_ROWS_PER_BLOCK", "8")

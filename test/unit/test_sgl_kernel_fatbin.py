@@ -68,3 +68,46 @@ def test_library_has_sass_for_sm90_and_sm120():
 def test_library_has_ptx_for_newer_gpus():
     listing = _run(_cuobjdump(), "--list-ptx", str(_installed_library()))
     assert re.search(r"\.sm_\d+[af]?\.ptx", listing), f"no PTX in:\n{listing}"
+
+
+# An SM120 block can have at most 99 KiB of shared memory (RTX PRO 6000, RTX 5090), and a
+# kernel tuned on the H200 (227 KiB) could ask for more and fail only at launch there.
+SM120_MAX_SHARED_BYTES = 99 * 1024
+RESOURCE_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def sm120_resource_usage(listing: str) -> dict[str, dict[str, int]]:
+    """{kernel: {REG, STACK, SHARED, LOCAL}} from `cuobjdump -res-usage -arch sm_120`."""
+    usage: dict[str, dict[str, int]] = {}
+    name = None
+    for line in listing.splitlines():
+        line = line.strip()
+        if line.startswith("Function ") and line.endswith(":"):
+            name = line[len("Function ") : -1]
+        elif name and (match := RESOURCE_LINE.search(line)):
+            reg, stack, shared, local = map(int, match.groups())
+            usage[name] = {"REG": reg, "STACK": stack, "SHARED": shared, "LOCAL": local}
+            name = None
+    return usage
+
+
+def test_sm120_kernels_neither_spill_nor_exceed_sm120_shared_memory():
+    listing = _run(_cuobjdump(), "-res-usage", "-arch", "sm_120", str(_installed_library()))
+    usage = sm120_resource_usage(listing)
+    assert any("all_reduce_kernel" in name for name in usage), listing[:2000]
+    problems = [
+        f"{name}: {values}"
+        for name, values in usage.items()
+        if values["STACK"] or values["LOCAL"] or values["SHARED"] > SM120_MAX_SHARED_BYTES
+    ]
+    assert not problems, "spills to local memory or too much shared memory:\n" + "\n".join(problems)
+
+
+def test_resource_usage_reader_sees_a_spill():
+    listing = (
+        " Function _Z3fooPv:\n  REG:128 STACK:16 SHARED:1092 LOCAL:16 CONSTANT[0]:1304\n"
+        " Function _Z3barPv:\n  REG:64 STACK:0 SHARED:102400 LOCAL:0 CONSTANT[0]:1304\n"
+    )
+    usage = sm120_resource_usage(listing)
+    assert usage["_Z3fooPv"]["LOCAL"] == 16 and usage["_Z3fooPv"]["STACK"] == 16
+    assert usage["_Z3barPv"]["SHARED"] > SM120_MAX_SHARED_BYTES

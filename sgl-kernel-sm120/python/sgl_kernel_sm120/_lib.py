@@ -14,7 +14,7 @@ from pathlib import Path
 from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_RANKS = 8
 MAX_BLOCKS = 128
 THREADS = 512
@@ -78,7 +78,7 @@ class LaunchParams(ctypes.Structure):
         ("dtype", ctypes.c_int32),
         ("debug_flags", ctypes.c_int32),
         ("debug_delay_rank", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("row_blocks", ctypes.c_int32),
     ]
 
 

@@ -259,6 +259,31 @@ def split_fused(rows: int, blocks: int, tuning: Tuning) -> bool:
     return math.ceil(rows / blocks) > tuning.fused_rows_per_block
 
 
+MAX_ROW_BLOCKS = 8  # SK_MAX_ROW_BLOCKS: the portable thread-block cluster size
+ROW_SLICE_VECTORS = 256  # a row slice of at least this many 16-byte vectors per block
+# 1x H200, ranks as streams, hidden 7168: split rows won at 1-8 tokens (up to 32 blocks) and
+# lost at 16 tokens on 64 blocks (world 2: 9.5 us against 6.1 with a block per row).
+MAX_ROW_SPLIT_BLOCKS = 32
+
+
+def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
+    """Blocks per row of a fused one-shot call (one thread-block cluster per row), 1 for the
+    one-block-per-row epilogue.
+
+    One block reducing a whole row is what made the fused call ~2 us slower than the plain
+    all-reduce at 1-16 tokens (1x H200, ranks as streams): the plain one spreads the same
+    vectors over the grid. A row is split into slices of at least ROW_SLICE_VECTORS vectors
+    (hidden 7168: 4 blocks of 224), as long as rows x slices fits the grid cap.
+    """
+    if variant != _lib.VARIANT_ONESHOT:
+        return 1
+    row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
+    per_row = min(MAX_ROW_BLOCKS, math.ceil(row_vecs / ROW_SLICE_VECTORS))
+    if per_row < 2 or rows * per_row > min(tuning.max_blocks, MAX_ROW_SPLIT_BLOCKS):
+        return 1
+    return per_row
+
+
 def choose_blocks(nbytes: int, tuning: Tuning) -> int:
     """Grid size: one block per block_bytes of message, capped at max_blocks."""
     return max(1, min(tuning.max_blocks, math.ceil(nbytes / tuning.block_bytes)))

@@ -31,6 +31,7 @@ from .config import (
     choose_blocks,
     choose_variant,
     resolve_tuning,
+    row_blocks,
     split_fused,
     workspace_layout,
 )
@@ -400,6 +401,7 @@ class CommWorkspace:
         p.rank = self.rank
         p.world_size = self.world_size
         p.debug_delay_rank = -1
+        p.row_blocks = 1
         return p
 
     def _set_debug(
@@ -473,7 +475,12 @@ class CommWorkspace:
             p.rows = inp.shape[0]
             p.hidden = inp.shape[1]
             p.eps = eps
-            if split_fused(p.rows, blocks, self.tuning):
+            per_row = row_blocks(p.rows, p.hidden, variant, self.tuning)
+            if per_row > 1:
+                # One cluster of per_row blocks per row (the grid follows the rows).
+                p.row_blocks = per_row
+                p.blocks = blocks = p.rows * per_row
+            elif split_fused(p.rows, blocks, self.tuning):
                 # All-reduce into `out`, then add + RMSNorm in place, one block per row.
                 norm = _lib.LaunchParams.from_buffer_copy(p)
                 norm.fused = _lib.FUSED_NORM_ONLY
