@@ -53,10 +53,14 @@ constexpr int kStateEpoch = 0;
 constexpr int kStateOneshotCalls = 1;
 constexpr int kStateDirty = 2;  // 3 words: vectors per peer slot written into each buffer
 
+constexpr int kRowsPerPass = 3;  // the most rows the two-shot epilogue normalises at once
+
 struct Shared {
   int abort;
-  float red[kWarps];
-  float row_part;  // this block's share of its row's sum of squares (read by its cluster)
+  float red[kRowsPerPass][kWarps];
+  // Row split: every block of the cluster's share of the row's sum of squares, by cluster
+  // rank, written by each block into every block's copy (distributed shared memory).
+  float row_parts[SK_MAX_ROW_BLOCKS];
 };
 
 constexpr uint32_t kEmptyWord = 0xFFFFFFFFu;  // two "not arrived" lanes
@@ -198,19 +202,67 @@ __device__ __forceinline__ void sum_ranks(float (&acc)[8], const uint4* slots, i
   }
 }
 
-// Sum of x over the block. Also returns sh.abort as it stood between the two barriers, so every
-// thread of the block takes the same decision (a flag set by a poller of this row is seen by
-// all; one set by a poller of the next row by none).
-__device__ float block_sum(float x, Shared& sh, bool& aborted) {
+// Sums of x[i] over the block, for each i. Also returns sh.abort as it stood between the two
+// barriers, so every thread of the block takes the same decision (a flag set by a poller of
+// these rows is seen by all; one set by a poller of the next rows by none).
+template <int kN>
+__device__ void block_sums(float (&x)[kN], Shared& sh, bool& aborted) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  if (threadIdx.x % 32 == 0) sh.red[threadIdx.x / 32] = x;
+  for (int i = 0; i < kN; ++i) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x[i] += __shfl_xor_sync(0xffffffffu, x[i], offset);
+    if (threadIdx.x % 32 == 0) sh.red[i][threadIdx.x / 32] = x[i];
+  }
   __syncthreads();
-  float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += sh.red[w];
+  for (int i = 0; i < kN; ++i) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += sh.red[i][w];
+    x[i] = total;
+  }
   aborted = *reinterpret_cast<volatile int*>(&sh.abort) != 0;
-  __syncthreads();  // sh.red is reused by the next row
+  __syncthreads();  // sh.red is reused by the next rows
+}
+
+__device__ __forceinline__ float block_sum(float x, Shared& sh, bool& aborted) {
+  float one[1] = {x};
+  block_sums<1>(one, sh, aborted);
+  return one[0];
+}
+
+// Thread-block cluster barrier halves (PTX barrier.cluster): every thread of every block of
+// the cluster arrives; wait returns once all non-exited threads have arrived.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// The row split's one exchange: this block's share of the row's sum of squares goes into
+// every cluster block's row_parts[part], then the shares are added in cluster-rank order (the
+// same bits in every block and on every rank). Called exactly once by every block of a
+// row-split launch (also one that gave up, with 0), after the kernel's opening
+// cluster_arrive_relaxed: the first wait makes sure every block has started (its shared
+// memory exists) before anyone writes into it; after the second no block touches another's
+// shared memory, so any block may exit.
+__device__ float cluster_row_total(Shared& sh, float part_sum) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int parts = static_cast<int>(cluster.num_blocks());
+  const int part = static_cast<int>(cluster.block_rank());
+  cluster_wait();
+  if (static_cast<int>(threadIdx.x) < parts) {
+    *cluster.map_shared_rank(&sh.row_parts[part], static_cast<int>(threadIdx.x)) = part_sum;
+  }
+  cluster_arrive_release();
+  cluster_wait();
+  float total = 0.f;
+  for (int i = 0; i < parts; ++i) total += sh.row_parts[i];
   return total;
 }
 
@@ -347,18 +399,16 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
 
 // The same epilogue with each row split across the row_blocks blocks of one thread-block
 // cluster (grid = rows x row_blocks, cluster c owns row c): every block polls, sums and writes
-// its slice of the row, and the slices' sums of squares meet in distributed shared memory.
+// its slice of the row, and the slices' sums of squares meet in distributed shared memory
+// (cluster_row_total: one cluster barrier on the way, the other half hidden at kernel start).
 // At verify sizes this spreads a row's reduction over as many SMs as the plain all-reduce
-// uses, where add_rmsnorm_rows gives it to one block. Every block reaches both cluster
-// barriers even when it gave up (a peer block must not wait for it, nor read the shared
-// memory of a block that has exited), and the slices are added in cluster-rank order, so every
-// rank gets the same bits.
+// uses, where add_rmsnorm_rows gives it to one block. A block that gave up still takes part
+// in the exchange (a peer block must not wait for it, nor write into the shared memory of a
+// block that has exited).
 template <typename T, typename SumOf>
 __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int parts = static_cast<int>(cluster.num_blocks());
-  const int part = static_cast<int>(cluster.block_rank());
+  const int parts = static_cast<int>(cooperative_groups::this_cluster().num_blocks());
+  const int part = static_cast<int>(cooperative_groups::this_cluster().block_rank());
   const int row = blockIdx.x / parts;
   const int row_vecs = p.hidden / kVecElems;
   const int per_part = (row_vecs + parts - 1) / parts;
@@ -387,24 +437,22 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
     if (c < hi && ok) {
       ok = sum_of(base + c, val[k]);
       Vec8<T>::add_to(val[k], res[k]);
-      residual_out[base + c] = Vec8<T>::pack(val[k]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum_sq += val[k][i] * val[k][i];
     }
   }
   bool aborted;
   sum_sq = block_sum(sum_sq, sh, aborted);
-  if (t == 0) sh.row_part = sum_sq;
-  cluster.sync();
-  float total = 0.f;
-  for (int i = 0; i < parts; ++i) total += *cluster.map_shared_rank(&sh.row_part, i);
-  cluster.sync();
+  const float total = cluster_row_total(sh, sum_sq);
   if (aborted) return false;
   const float scale = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
+  // residual_out is stored only now: before the exchange, its stores would hold up the
+  // barrier's release.
 #pragma unroll
   for (int k = 0; k < kMaxVecPerSlice; ++k) {
     const int c = lo + t + k * SK_THREADS;
     if (c < hi) {
+      residual_out[base + c] = Vec8<T>::pack(val[k]);
       float wf[8];
       zero(wf);
       Vec8<T>::add_to(wf, w[k]);
@@ -420,11 +468,17 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
 // all-reduced rows are already 16-bit vectors in `reduced` (the split fused call's second launch,
 // the two-shot fused epilogue). Only the raw 16-byte vectors stay in registers across the block
 // sum; the fp32 sum is computed again for the scaling pass (the same operations, so the same
-// bits). That needs 64 registers instead of 92, and two 512-thread blocks fit on an SM:
-// one streams its row while the other waits in its block sum. `reduced` may alias `output`
-// (each thread reads its vectors before it writes them).
-template <typename T>
+// bits). `reduced` may alias `output` (each thread reads its vectors before it writes them).
+// kRows rows at a time (rows b, b + grid, ... of block b), with one block sum for all of them:
+// a block that owns many rows pays one memory latency and one barrier pair per kRows rows.
+// Each thread holds kSlots vectors of each row (kMaxVecPerThread for any hidden size, 2 up to
+// hidden 8192). kRows = 1 needs 64 registers, so two 512-thread blocks of the norm-only kernel
+// fit on an SM; 2 x 4 and 3 x 2 fit the all-reduce kernel's 128 (4 x 2, or holding the weight
+// too, spills).
+template <typename T, int kRows, int kSlots = kMaxVecPerThread>
 __device__ bool add_rmsnorm_reduced_rows(const SkLaunchParams& p, Shared& sh, const uint4* reduced) {
+  static_assert(kRows >= 1 && kRows <= kRowsPerPass, "sh.red holds kRowsPerPass sums");
+  static_assert(kSlots >= 1 && kSlots <= kMaxVecPerThread, "a row is at most kMaxVecPerThread");
   const int row_vecs = p.hidden / kVecElems;
   const uint4* residual_in = static_cast<const uint4*>(p.residual_in);
   uint4* residual_out = static_cast<uint4*>(p.residual_out);
@@ -436,44 +490,59 @@ __device__ bool add_rmsnorm_reduced_rows(const SkLaunchParams& p, Shared& sh, co
     Vec8<T>::add_to(val, x);
     Vec8<T>::add_to(val, res);
   };
-  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const int64_t base = static_cast<int64_t>(row) * row_vecs;
-    uint4 x[kMaxVecPerThread], res[kMaxVecPerThread];
+  for (int first = blockIdx.x; first < p.rows; first += kRows * gridDim.x) {
+    uint4 x[kRows][kSlots], res[kRows][kSlots];
 #pragma unroll
-    for (int k = 0; k < kMaxVecPerThread; ++k) {
-      const int c = t + k * SK_THREADS;
-      if (c < row_vecs) {
-        x[k] = __ldcg(reduced + base + c);
-        res[k] = __ldg(residual_in + base + c);
+    for (int r = 0; r < kRows; ++r) {
+      const int row = first + r * gridDim.x;
+      const int64_t base = static_cast<int64_t>(row) * row_vecs;
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const int c = t + k * SK_THREADS;
+        if (row < p.rows && c < row_vecs) {
+          x[r][k] = __ldcg(reduced + base + c);
+          res[r][k] = __ldg(residual_in + base + c);
+        }
       }
     }
-    float sum_sq = 0.f;
+    float sum_sq[kRows];
 #pragma unroll
-    for (int k = 0; k < kMaxVecPerThread; ++k) {
-      const int c = t + k * SK_THREADS;
-      if (c < row_vecs) {
-        float val[8];
-        sum(val, x[k], res[k]);
-        residual_out[base + c] = Vec8<T>::pack(val);
+    for (int r = 0; r < kRows; ++r) {
+      const int row = first + r * gridDim.x;
+      const int64_t base = static_cast<int64_t>(row) * row_vecs;
+      sum_sq[r] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum_sq += val[i] * val[i];
+      for (int k = 0; k < kSlots; ++k) {
+        const int c = t + k * SK_THREADS;
+        if (row < p.rows && c < row_vecs) {
+          float val[8];
+          sum(val, x[r][k], res[r][k]);
+          residual_out[base + c] = Vec8<T>::pack(val);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum_sq[r] += val[i] * val[i];
+        }
       }
     }
     bool aborted;
-    sum_sq = block_sum(sum_sq, sh, aborted);
+    block_sums<kRows>(sum_sq, sh, aborted);
     if (aborted) return false;
-    const float scale = rsqrtf(sum_sq / static_cast<float>(p.hidden) + p.eps);
 #pragma unroll
-    for (int k = 0; k < kMaxVecPerThread; ++k) {
-      const int c = t + k * SK_THREADS;
-      if (c < row_vecs) {
-        float val[8], wf[8];
-        sum(val, x[k], res[k]);
-        zero(wf);
-        Vec8<T>::add_to(wf, __ldg(weight + c));
+    for (int r = 0; r < kRows; ++r) {
+      const int row = first + r * gridDim.x;
+      const int64_t base = static_cast<int64_t>(row) * row_vecs;
+      const float scale = rsqrtf(sum_sq[r] / static_cast<float>(p.hidden) + p.eps);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) val[i] = val[i] * scale * wf[i];
-        output[base + c] = Vec8<T>::pack(val);
+      for (int k = 0; k < kSlots; ++k) {
+        const int c = t + k * SK_THREADS;
+        if (row < p.rows && c < row_vecs) {
+          float val[8], wf[8];
+          sum(val, x[r][k], res[r][k]);
+          zero(wf);
+          Vec8<T>::add_to(wf, __ldg(weight + c));  // an L1 hit after the first row
+#pragma unroll
+          for (int i = 0; i < 8; ++i) val[i] = val[i] * scale * wf[i];
+          output[base + c] = Vec8<T>::pack(val);
+        }
       }
     }
   }
@@ -702,7 +771,14 @@ __device__ void run_twoshot(const SkLaunchParams& p, Shared& sh, uint32_t epoch,
   } else {
     // Rows span chunks: wait for every block of every rank, this one included.
     if (!wait_for(p, sh, kKindGather, parity, epoch, 0, nblocks, true)) return;
-    add_rmsnorm_reduced_rows<T>(p, sh, gather_local);
+    // Rows a block owns: at most one (every block's a row), else as many per pass as fit.
+    if (p.rows <= nblocks) {
+      add_rmsnorm_reduced_rows<T, 1>(p, sh, gather_local);
+    } else if (p.hidden / kVecElems <= 2 * SK_THREADS) {
+      add_rmsnorm_reduced_rows<T, 3, 2>(p, sh, gather_local);
+    } else {
+      add_rmsnorm_reduced_rows<T, 2>(p, sh, gather_local);
+    }
   }
 }
 
@@ -713,7 +789,7 @@ __global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const SkLaun
   __shared__ Shared sh;
   if (threadIdx.x == 0) sh.abort = 0;
   __syncthreads();
-  add_rmsnorm_reduced_rows<T>(p, sh, static_cast<const uint4*>(p.input));
+  add_rmsnorm_reduced_rows<T, 1>(p, sh, static_cast<const uint4*>(p.input));
 }
 
 // One kernel per (dtype, variant, fused): each holds only the code its calls run (the plain
@@ -731,10 +807,12 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
   stamp(p, 0);
   // Every thread loads this block's call state itself (the same two 16-byte words for the
   // whole block: broadcast loads), in parallel with the error word; no shared-memory staging.
-  // Plain one-shot: the first input vector is loaded together with the state (it depends on
-  // neither). Not in the fused kernel: there the 4 registers it holds would spill.
+  // One-shot: the first input vector is loaded together with the state (it depends on
+  // neither). Not in the block-per-row fused kernel: there the 4 registers it holds would
+  // spill (the row split holds a quarter of that kernel's row).
   uint4 first_input = make_uint4(0, 0, 0, 0);
-  constexpr bool preload = kVariant == SK_VARIANT_ONESHOT && !kFused;
+  if constexpr (kRowSplit) cluster_arrive_relaxed();  // "started": see cluster_row_total
+  constexpr bool preload = kVariant == SK_VARIANT_ONESHOT && (!kFused || kRowSplit);
   if constexpr (preload) {
     int64_t v0, v1;
     oneshot_share(p.numel / kVecElems, v0, v1);
@@ -759,6 +837,8 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
                              : static_cast<int>(state[kStateEpoch] & 1u);
       run_twoshot<T, kFused>(p, sh, state[kStateEpoch], parity);
     }
+  } else if constexpr (kRowSplit) {
+    cluster_row_total(sh, 0.f);  // the cluster's other blocks may not have seen the error
   }
   // Next call's state, into every copy this block index stands for (j = blockIdx.x mod grid):
   // copies no other block of this launch reads. One word per thread and copy.

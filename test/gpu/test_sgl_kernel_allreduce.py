@@ -149,11 +149,13 @@ def test_fused_split_into_all_reduce_and_norm_launches_matches_reference(world_s
     ranks = _make_ranks(
         world_size, max_tokens=512, oneshot_max_bytes=512 * 7168 * 2, fused_rows_per_block=1
     )
+    code = {"oneshot": _lib.VARIANT_ONESHOT, "twoshot": _lib.VARIANT_TWOSHOT}
     try:
         for tokens in (1, 3, 64, 300, 512):
             nbytes = tokens * 7168 * 2
             blocks = ranks.workspaces[0].plan(nbytes)[1]
-            assert sk.split_fused(tokens, blocks, ranks.workspaces[0].tuning) == (tokens > blocks)
+            split = sk.split_fused(tokens, blocks, ranks.workspaces[0].tuning, code[variant])
+            assert split == (tokens > blocks)
             xs, residual, weight = _inputs(world_size, tokens, 7168, torch.bfloat16, seed=tokens)
             outs = ranks.run(
                 lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
@@ -161,6 +163,31 @@ def test_fused_split_into_all_reduce_and_norm_launches_matches_reference(world_s
                 )
             )
             _check_fused(ranks, xs, residual, weight, outs, f"split {variant} {tokens}")
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("hidden", [8192, 8200, 16384])
+def test_two_shot_epilogue_taking_several_rows_per_pass_matches_reference(world_size, hidden):
+    """Two-shot fused calls with more rows than blocks run in one launch (the default), the
+    epilogue taking three rows per pass up to hidden 8192 and two past it; row counts that
+    leave a pass partly empty included."""
+    ranks = _make_ranks(world_size, max_tokens=300, hidden=hidden, max_blocks=16)
+    try:
+        for tokens in (17, 48, 100, 300):
+            nbytes = tokens * hidden * 2
+            variant, blocks = ranks.workspaces[0].plan(nbytes, _lib.VARIANT_TWOSHOT)
+            assert tokens > blocks and not sk.split_fused(
+                tokens, blocks, ranks.workspaces[0].tuning, variant
+            )
+            xs, residual, weight = _inputs(world_size, tokens, hidden, torch.bfloat16, seed=hidden)
+            outs = ranks.run(
+                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                    xs[r], res, w, EPS, ws, variant="twoshot"
+                )
+            )
+            _check_fused(ranks, xs, residual, weight, outs, f"rows per pass {hidden} {tokens}")
     finally:
         ranks.close()
 

@@ -107,21 +107,27 @@ def test_grid_grows_with_the_message_up_to_max_blocks(nbytes, blocks):
     assert sk.choose_blocks(nbytes, sk.resolve_tuning(4)) == blocks
 
 
+ONESHOT, TWOSHOT = _lib.VARIANT_ONESHOT, _lib.VARIANT_TWOSHOT
+
+
 @pytest.mark.parametrize(
-    ("rows", "blocks", "rows_per_block", "split"),
+    ("rows", "blocks", "rows_per_block", "variant", "split"),
     [
-        (4, 14, 1, False),  # verify sizes: one launch, each row's block polls its own row
-        (64, 64, 1, False),
-        (65, 64, 1, True),  # a block would own two rows: all-reduce, then the norm launch
-        (2048, 64, 1, True),
-        (2048, 64, 32, False),
+        (4, 14, 1, ONESHOT, False),  # verify sizes: one launch, each row's block polls its own row
+        (64, 64, 1, ONESHOT, False),
+        (65, 64, 1, ONESHOT, True),  # a block would own two rows: all-reduce, then the norm launch
+        (2048, 64, 1, TWOSHOT, True),  # a bound set applies to both variants
+        (2048, 64, 32, ONESHOT, False),
+        (128, 64, None, ONESHOT, False),  # default: one-shot blocks of two rows stay one launch
+        (129, 64, None, ONESHOT, True),  # ... of three split
+        (2048, 16, None, TWOSHOT, False),  # default: two-shot never splits
     ],
 )
 def test_fused_call_splits_only_when_a_block_would_own_several_rows(
-    rows, blocks, rows_per_block, split
+    rows, blocks, rows_per_block, variant, split
 ):
     tuning = sk.resolve_tuning(2, fused_rows_per_block=rows_per_block)
-    assert sk.split_fused(rows, blocks, tuning) is split
+    assert sk.split_fused(rows, blocks, tuning, variant) is split
 
 
 @pytest.mark.parametrize(
@@ -129,9 +135,11 @@ def test_fused_call_splits_only_when_a_block_would_own_several_rows(
     [
         (1, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 896 vectors: 4 slices of 224
         (8, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 32 blocks: the measured bound
-        (16, 7168, _lib.VARIANT_ONESHOT, 128, 1),  # 64 blocks lost on the H200
+        (16, 7168, _lib.VARIANT_ONESHOT, 128, 2),  # 64 blocks lost on the H200: 2 slices
+        (17, 7168, _lib.VARIANT_ONESHOT, 128, 1),  # not even 2 slices fit 32 blocks
         (16, 7168, _lib.VARIANT_ONESHOT, 16, 1),  # 8 ranks sharing one H200: 16 blocks each
         (4, 7168, _lib.VARIANT_ONESHOT, 16, 4),
+        (6, 7168, _lib.VARIANT_ONESHOT, 16, 2),
         (1, 16384, _lib.VARIANT_ONESHOT, 128, 8),  # never past the portable cluster size
         (1, 2048, _lib.VARIANT_ONESHOT, 128, 1),  # 256 vectors: one block is enough
         (1, 4096, _lib.VARIANT_ONESHOT, 128, 2),
@@ -151,8 +159,8 @@ def test_row_blocks_matches_the_kernels_cluster_bound():
     assert f"#define SK_MAX_ROW_BLOCKS {config.MAX_ROW_BLOCKS} " in header
 
 
-def test_fused_rows_per_block_defaults_to_one_and_reads_its_variable(monkeypatch):
-    assert sk.resolve_tuning(2).fused_rows_per_block == 1
+def test_fused_rows_per_block_defaults_to_unset_and_reads_its_variable(monkeypatch):
+    assert sk.resolve_tuning(2).fused_rows_per_block is None
     monkeypatch.setenv("SGLANG_SM120_FUSED_ROWS_PER_BLOCK", "8")
     assert sk.resolve_tuning(2).fused_rows_per_block == 8
 

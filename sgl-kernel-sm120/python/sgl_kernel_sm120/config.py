@@ -38,9 +38,14 @@ MAX_MESSAGE_BYTES = MAX_TOKENS * MAX_HIDDEN * ELEMENT_BYTES  # 64 MiB
 # that push (2x H200, 256 tokens: 20.6 us at 64 blocks, 17.2 at 128). Measured over NVLink only.
 DEFAULT_MAX_BLOCKS = 128
 MAX_BLOCKS = _lib.MAX_BLOCKS  # the grid the kernels' flags are laid out for
-# 2x H200 (NVLink), TP2, hidden 7168: the two-launch form was 11-14% faster wherever a block
-# owned several rows (256-2048 tokens) and equal elsewhere (README, "Measured").
-DEFAULT_FUSED_ROWS_PER_BLOCK = 1
+# When no bound is set, a fused call splits into two launches (all-reduce, then add + RMSNorm)
+# only when it is one-shot and a block would own more than ONESHOT_FUSED_ROWS_PER_BLOCK rows.
+# 1x H200, ranks as streams, hidden 7168 (benchmark/results/1xH200-2026-12-03-issue35): one
+# launch won wherever the two-shot epilogue normalises three rows per pass (world 2, 1024-2048
+# tokens: 0.91-0.93x the split; worlds 4 and 8, 32-2048 tokens: 0.76-0.93x) and for one-shot
+# blocks of two rows (world 2, 128 tokens: 11.4 us against 12.3); one-shot blocks of four rows
+# (256 tokens) still ran faster split (22.0 against 24.1), their epilogue takes one row at a time.
+ONESHOT_FUSED_ROWS_PER_BLOCK = 2
 # A call has at most MAX_TOKENS rows: a bound past it never splits either.
 MAX_FUSED_ROWS_PER_BLOCK = MAX_TOKENS
 
@@ -100,7 +105,7 @@ class Tuning:
     block_bytes: int
     max_blocks: int
     timeout_ms: int
-    fused_rows_per_block: int = DEFAULT_FUSED_ROWS_PER_BLOCK
+    fused_rows_per_block: int | None = None  # None: the measured default (split_fused)
 
 
 def resolve_tuning(
@@ -144,9 +149,8 @@ def resolve_tuning(
             f"{resident_blocks} blocks it can hold at once: the spinning kernels would deadlock"
         )
     timeout = check_timeout_ms(timeout_ms or env_timeout_ms() or DEFAULT_TIMEOUT_MS)
-    rows_per_block = (
-        _setting("fused_rows_per_block", fused_rows_per_block, MAX_FUSED_ROWS_PER_BLOCK)
-        or DEFAULT_FUSED_ROWS_PER_BLOCK
+    rows_per_block = _setting(
+        "fused_rows_per_block", fused_rows_per_block, MAX_FUSED_ROWS_PER_BLOCK
     )
     return Tuning(
         oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
@@ -251,12 +255,18 @@ def choose_variant(nbytes: int, tuning: Tuning) -> int:
     return _lib.VARIANT_ONESHOT if nbytes <= tuning.oneshot_max_bytes else _lib.VARIANT_TWOSHOT
 
 
-def split_fused(rows: int, blocks: int, tuning: Tuning) -> bool:
+def split_fused(rows: int, blocks: int, tuning: Tuning, variant: int) -> bool:
     """Whether a fused call runs as two launches (all-reduce, then add + RMSNorm with one block
-    per row): when a block of the all-reduce grid would own more than
-    `fused_rows_per_block` rows, the epilogue's parallelism, not the communication, bounds the
-    one-launch kernel."""
-    return math.ceil(rows / blocks) > tuning.fused_rows_per_block
+    per row): when a block of the all-reduce grid would own more than `fused_rows_per_block`
+    rows, or, with no bound set, when a one-shot block would own more than
+    ONESHOT_FUSED_ROWS_PER_BLOCK (the two-shot epilogue takes several rows per pass and is
+    never split by default)."""
+    bound = tuning.fused_rows_per_block
+    if bound is None:
+        if variant == _lib.VARIANT_TWOSHOT:
+            return False
+        bound = ONESHOT_FUSED_ROWS_PER_BLOCK
+    return math.ceil(rows / blocks) > bound
 
 
 MAX_ROW_BLOCKS = 8  # SK_MAX_ROW_BLOCKS: the portable thread-block cluster size
@@ -273,15 +283,15 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
     One block reducing a whole row is what made the fused call ~2 us slower than the plain
     all-reduce at 1-16 tokens (1x H200, ranks as streams): the plain one spreads the same
     vectors over the grid. A row is split into slices of at least ROW_SLICE_VECTORS vectors
-    (hidden 7168: 4 blocks of 224), as long as rows x slices fits the grid cap.
+    (hidden 7168: 4 blocks of 224), fewer where rows x slices would pass the grid cap
+    (16 rows: 2 slices of 448), none where even 2 would.
     """
     if variant != _lib.VARIANT_ONESHOT:
         return 1
     row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
-    per_row = min(MAX_ROW_BLOCKS, math.ceil(row_vecs / ROW_SLICE_VECTORS))
-    if per_row < 2 or rows * per_row > min(tuning.max_blocks, MAX_ROW_SPLIT_BLOCKS):
-        return 1
-    return per_row
+    cap = min(tuning.max_blocks, MAX_ROW_SPLIT_BLOCKS)
+    per_row = min(MAX_ROW_BLOCKS, math.ceil(row_vecs / ROW_SLICE_VECTORS), cap // rows)
+    return per_row if per_row >= 2 else 1
 
 
 def choose_blocks(nbytes: int, tuning: Tuning) -> int:

@@ -480,7 +480,7 @@ class CommWorkspace:
                 # One cluster of per_row blocks per row (the grid follows the rows).
                 p.row_blocks = per_row
                 p.blocks = blocks = p.rows * per_row
-            elif split_fused(p.rows, blocks, self.tuning):
+            elif split_fused(p.rows, blocks, self.tuning, variant):
                 # All-reduce into `out`, then add + RMSNorm in place, one block per row.
                 norm = _lib.LaunchParams.from_buffer_copy(p)
                 norm.fused = _lib.FUSED_NORM_ONLY
