@@ -22,7 +22,8 @@ A patch module provides ``ROLES`` (the processes it is registered in: ``launcher
 ``HOOKS`` (hook-registry rows),
 ``not_needed(capability)`` and optionally ``COPIES`` (``from X import`` copies SGLang calls,
 which must be the patched object), ``apply_setting()`` / ``is_applied()`` (a plain setting
-instead of a hook, and the check of its effect).
+instead of a hook, and the check of its effect), and ``pending()`` (a hook that records its own
+status when its target runs: what the status waits for until then).
 """
 
 from sglang_sm120.server.patches import (
