@@ -25,10 +25,11 @@ all-reduce up to 8 MiB, MSCCL++ where it has a tuned configuration, torch symmet
 below its size limit); ``tune`` writes a cell they decline as ``us=None`` with a note starting
 with DECLINES, and SGLang's next communicator serves that size (``policy``).
 
-NCCL variants (``nccl_variants``): NCCL's own all-reduce under other NCCL_PROTO / NCCL_ALGO /
-NCCL_MAX_NCHANNELS settings, each measured in fresh processes (NCCL reads them once per
-process) beside the default; ``planning.nccl_settings.tuned_nccl_env`` picks one for the sizes
-the plan leaves on NCCL.
+NCCL variants (``nccl_variants``): NCCL's own all-reduce under other NCCL_PROTO / NCCL_ALGO
+settings, set for the all-reduce only (``scoped_env``), each measured in fresh processes (NCCL
+reads them once per process) beside the default; ``planning.nccl_settings.tuned_nccl_env``
+picks one for the sizes the plan leaves on NCCL (tables of version 3 may also carry
+NCCL_MAX_NCHANNELS rows, from before channel counts were dropped: read, never chosen).
 
 Example::
 
