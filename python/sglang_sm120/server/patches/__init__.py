@@ -12,7 +12,7 @@
 | pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
 | allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
 | upstream_switches    | parallel_state.set_mscclpp (+ torch symm mem) | table's AR switches on |
-| nccl_tuned_env       | NCCL_* read at init_distributed_environment  | tuned NCCL variant set     |
+| nccl_tuned_env       | bootstrap.init_distributed_environment       | tuned NCCL variant set     |
 | sm120_pcie_backend   | FlashInfer fusion entry points               | fused points -> our kernel |
 | peer_check           | SchedulerOutputStreamer.stream_output        | no output after a timeout  |
 | graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
