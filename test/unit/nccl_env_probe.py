@@ -34,8 +34,10 @@ def install(directory: Path) -> None:
     )
 
 
-def record_and_stop(original, *args, **kwargs):
-    """What a TP worker holds when SGLang is about to start NCCL."""
+def record_and_stop(*args, **kwargs):
+    """What a TP worker holds when SGLang is about to start NCCL: a REPLACE hook, which the
+    registry puts innermost, so every other plugin's BEFORE/AROUND hook on the target (ours
+    sets the tuned variables there) has run when it records."""
     path = Path(os.environ[PROBE_DIR_ENV]) / f"worker-{os.getpid()}.json"
     record = {"rank": kwargs.get("rank"), "env": {k: os.environ.get(k) for k in FAMILY}}
     path.write_text(json.dumps(record))
@@ -58,4 +60,4 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     torch.cuda.set_device = lambda device: None  # no GPU here: select nothing
-    HookRegistry.register(TARGET, record_and_stop, HookType.AROUND)
+    HookRegistry.register(TARGET, record_and_stop, HookType.REPLACE)

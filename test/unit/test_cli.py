@@ -438,8 +438,12 @@ def test_plan_lists_every_upstream_all_reduce_switch_for_the_profile():
     ) in text
 
 
-def test_doctor_lists_the_all_reduce_options_and_warns_about_nccl_settings():
-    env = {"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie", "NCCL_P2P_DISABLE": "1"}
+def test_doctor_lists_the_all_reduce_options_and_warns_about_nccl_settings(tmp_path):
+    """NCCL_P2P_DISABLE=1 in NCCL's config file, not the environment: doctor reads what NCCL
+    will see (one reader for the warnings and the tuned variant), and names the file."""
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_P2P_DISABLE=1\n")
+    env = {"SGLANG_SM120_TOPOLOGY": "rtx-pro-6000-x8-pcie", "NCCL_CONF_FILE": str(conf)}
     proc = run_cli("doctor", "--json", "--tp", "8", "--model-arch", KIMI, env=env)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -449,9 +453,13 @@ def test_doctor_lists_the_all_reduce_options_and_warns_about_nccl_settings():
     assert "not on PyPI" in options["--enable-mscclpp"]["why"]
     (warning,) = report["nccl_warnings"]
     assert warning["variable"] == "NCCL_P2P_DISABLE" and warning["fix"] == "unset NCCL_P2P_DISABLE"
+    assert warning["set_in"] == str(conf) and report["nccl_conf_unreadable"] is None
     text = run_cli("doctor", "--tp", "8", "--model-arch", KIMI, env=env).stdout
     assert "all-reduce options (SGLang's switches, judged for this launch):" in text
-    assert "NCCL settings that break or slow this launch:\n  NCCL_P2P_DISABLE='1': " in text
+    assert (
+        f"NCCL settings that break or slow this launch:\n  NCCL_P2P_DISABLE='1' (set in {conf}): "
+        in text
+    )
 
 
 # --- PP across nodes: `--nnodes 2 --pp-size 2 --tp 8` keeps the TP group on one node -------------

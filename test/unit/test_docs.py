@@ -218,3 +218,19 @@ def test_every_option_of_every_command_is_in_the_docs():
             if not any(re.search(rf"{re.escape(o)}(?![\w-])", text) for o in names):
                 missing.append(what)
     assert missing == []
+
+
+USER_NCCL_TUNING_LIST = re.compile(r"<!-- user-nccl-tuning -->(.*?)<!-- /user-nccl-tuning -->")
+
+
+def test_every_list_of_the_nccl_variables_that_keep_the_tuned_variant_off_is_the_codes():
+    """Each page that lists the NCCL variables whose setting keeps ``nccl_env.set`` empty
+    (``USER_NCCL_TUNING``) marks the list, and the list is the code's, in its order: a name
+    added to the code (NCCL_TUNER_PLUGIN once was) fails here until the pages say it."""
+    from sglang_sm120.planning.nccl_settings import USER_NCCL_TUNING
+
+    expected = ", ".join(f"`{name}`" for name in USER_NCCL_TUNING)
+    pages = {p: p.read_text() for p in (ROOT / "docs").glob("*.md")}
+    lists = {p.name: USER_NCCL_TUNING_LIST.findall(text) for p, text in pages.items()}
+    assert {"commands.md", "routing.md", "configuration.md"} <= {n for n, f in lists.items() if f}
+    assert {name: found for name, found in lists.items() if set(found) - {expected}} == {}

@@ -7,7 +7,10 @@ Checked from the server log: one status line in the launcher and in each TP work
 far as logging, the launcher's plan and the same plan (reasons, tuning-table routes) in every
 worker, no "requested" unless requested, and the user's switches honoured. The tuned NCCL
 variant is checked inside the worker itself: a second plugin (``nccl_env_probe``) records the
-worker's NCCL_* when SGLang calls ``init_distributed_environment``.
+worker's NCCL_* when SGLang calls ``init_distributed_environment`` (innermost in its hook chain,
+after our hook set them). That covers SGLang's own launch; a scheduler that loaded plugins while
+multiprocessing was still starting it is covered in-process
+(``test_patch_behaviour.test_a_still_starting_child_sets_the_tuned_nccl_env_at_nccl_init``).
 """
 
 from __future__ import annotations
@@ -239,9 +242,9 @@ def nccl_launch(deepseek: Path, tmp_path: Path, user_env: dict[str, str]) -> tup
 def test_a_tuned_nccl_variant_is_in_the_workers_environment_before_nccl_starts(deepseek, tmp_path):
     log, records = nccl_launch(deepseek, tmp_path, {})
     assert records, log[-4000:]
-    for record in records:
+    for record in records:  # for the all-reduce only, which tune timed
         assert record["env"] == {
-            "NCCL_PROTO": "LL",
+            "NCCL_PROTO": "allreduce:LL",
             "NCCL_ALGO": None,
             "NCCL_MAX_NCHANNELS": None,
             "NCCL_MIN_NCHANNELS": None,
@@ -252,9 +255,16 @@ def test_a_tuned_nccl_variant_is_in_the_workers_environment_before_nccl_starts(d
     )
     workers = [p for p in status if p.startswith("TP")]
     assert workers, log[-4000:]
-    for worker in workers:
-        assert "nccl_tuned_env=applied" in status[worker][0]
-        assert "; nccl env: NCCL_PROTO=LL set before NCCL starts; " in status[worker][0]
+    for worker in workers:  # logged before the Scheduler exists: not applied yet
+        assert (
+            "nccl_tuned_env=pending (NCCL_PROTO=allreduce:LL set when init_distributed_environment "
+            "runs)" in status[worker][0]
+        )
+    applied = [line for line in log.splitlines() if "nccl_tuned_env=applied at init_" in line]
+    assert len(applied) == len(records), log[-4000:]
+    assert all(
+        "nccl env: NCCL_PROTO=allreduce:LL set before NCCL starts; " in line for line in applied
+    )
 
 
 def test_the_users_own_nccl_proto_wins_in_the_worker(deepseek, tmp_path):
@@ -265,6 +275,6 @@ def test_the_users_own_nccl_proto_wins_in_the_worker(deepseek, tmp_path):
     assert workers, log[-4000:]
     for worker in workers:
         assert (
-            "nccl_tuned_env=not needed (nccl env: tuned NCCL_PROTO=LL not set: the user's "
-            "NCCL_PROTO='Simple' wins)" in status[worker][0]
+            "nccl_tuned_env=not needed (nccl env: tuned NCCL_PROTO=allreduce:LL not set: the "
+            "user's NCCL_PROTO='Simple' wins)" in status[worker][0]
         )

@@ -159,12 +159,33 @@ def test_a_variant_within_noise_of_the_default_is_not_chosen():
 
 
 def test_a_variant_that_failed_capture_is_excluded_with_its_reason():
-    env, reason = tuned({FEW: (5.0, None), LL: (15.0, 25.0)})
+    env, reason = tuned({RING: (5.0, None), LL: (15.0, 25.0)})
     assert env == LL
     assert (
-        "excluded: NCCL_MAX_NCHANNELS=4 (at 512 tokens: failed: RuntimeError: CUDA graph "
+        "excluded: NCCL_ALGO=Ring (at 512 tokens: failed: RuntimeError: CUDA graph "
         "capture invalidated)" in reason
     )
+
+
+def test_a_channel_count_variant_is_never_chosen_however_fast():
+    """NCCL_MAX_NCHANNELS has no per-collective form: it would set every collective's channel
+    count, and tune timed the all-reduce only (a version-3 table may still carry it)."""
+    env, reason = tuned({FEW: (5.0, 10.0), LL: (15.0, 25.0)})
+    assert env == LL
+    assert "excluded: NCCL_MAX_NCHANNELS=4 (NCCL_MAX_NCHANNELS has no per-collective form" in reason
+
+
+def test_a_variant_must_also_save_half_a_microsecond_per_call(monkeypatch):
+    """UNFUSED_MIN_GAIN's absolute part: 0.95x at sizes NCCL serves in ~6 us saves 0.3 us per
+    call, under the 0.5 us a variant must save; the same ratio at 20/30 us is chosen."""
+    monkeypatch.setitem(DEFAULT_US, 8, 6.0)
+    monkeypatch.setitem(DEFAULT_US, 512, 6.0)
+    env, reason = tuned({LL: (5.7, 5.7)})
+    assert env == () and "beats NCCL's default by 3% and 0.5 us" in reason
+    assert "NCCL_PROTO=LL 0.95x" in reason
+    monkeypatch.setitem(DEFAULT_US, 8, 20.0)
+    monkeypatch.setitem(DEFAULT_US, 512, 30.0)
+    assert tuned({LL: (19.0, 28.5)})[0] == LL
 
 
 def test_a_variant_wrong_at_any_size_is_excluded():
@@ -207,6 +228,28 @@ def test_deterministic_inference_keeps_sglangs_own_nccl_settings():
     assert env == () and "SGLang pins NCCL_ALGO" in reason
 
 
+def test_a_version_2_table_applies_none_of_its_nccl_variants():
+    """A version-2 table predates tune's NCCL variants (docs/routing.md): whatever variants it
+    carries, the plan sets none and says why."""
+    facts = load_profile(PCIE)
+    rows = [Measurement("trtllm", t, 5 * DEFAULT_US[t], True) for t in SIZES]
+    rows += [Measurement("nccl", t, DEFAULT_US[t], True) for t in SIZES]
+    table = TuningTable(
+        host_fingerprint(facts, 8),
+        8,
+        7168,
+        "bfloat16",
+        tuple(rows),
+        version=2,
+        nccl_variants=variant_rows({LL: (5.0, 10.0)}),
+    )
+    d = Deployment(tp_size=8, model_arch=KIMI, pcie_ipc_env=False, tuning=table)
+    env, reason = tuned_nccl_env(table, facts, d, plan_allreduce(facts, d, FUSION_ARCHS))
+    assert env == () and reason == (
+        "nccl env: none (a version-2 tuning table: its NCCL variants are not applied; re-run tune)"
+    )
+
+
 def test_a_table_without_variants_says_to_re_run_tune():
     facts = load_profile(PCIE)
     rows = tuple(Measurement("nccl", t, DEFAULT_US[t], True) for t in SIZES)
@@ -216,6 +259,7 @@ def test_a_table_without_variants_says_to_re_run_tune():
     assert env == () and "re-run tune" in reason
 
 
+SCOPED_LL = (("NCCL_PROTO", "allreduce:LL"),)
 PLAN_WITH_LL = AllReducePlan(
     True, None, "nccl", ("r",), ((512, "nccl"),), nccl_env=LL, nccl_reason="nccl env LL ..."
 )
@@ -224,11 +268,17 @@ PLAN_WITH_LL = AllReducePlan(
 @pytest.mark.parametrize(
     ("environ", "applied", "line"),
     [
-        ({}, LL, "nccl env: NCCL_PROTO=LL set before NCCL starts; nccl env LL ..."),
+        # for the all-reduce only, which tune timed: NCCL keeps its own choice elsewhere
+        ({}, SCOPED_LL, "nccl env: NCCL_PROTO=allreduce:LL set before NCCL starts; nccl env LL"),
         ({"NCCL_PROTO": "Simple"}, (), "the user's NCCL_PROTO='Simple' wins"),
         ({"NCCL_MIN_NCHANNELS": "8"}, (), "the user's NCCL_MIN_NCHANNELS='8' wins"),
-        ({"NCCL_P2P_LEVEL": "SYS"}, LL, "NCCL_PROTO=LL set"),  # not one NCCL weighs with them
+        ({"NCCL_P2P_LEVEL": "SYS"}, SCOPED_LL, "NCCL_PROTO=allreduce:LL set"),  # not weighed
         ({"NCCL_TUNER_PLUGIN": "libnccl-tuner.so"}, (), "the user's NCCL_TUNER_PLUGIN="),
+        # NCCL's names for the channel bounds since 2.17, and the legacy ones
+        ({"NCCL_MIN_CTAS": "16"}, (), "the user's NCCL_MIN_CTAS='16' wins"),
+        ({"NCCL_MAX_CTAS": "4"}, (), "the user's NCCL_MAX_CTAS='4' wins"),
+        ({"NCCL_MIN_NRINGS": "16"}, (), "the user's NCCL_MIN_NRINGS='16' wins"),
+        ({"NCCL_MAX_NRINGS": "4"}, (), "the user's NCCL_MAX_NRINGS='4' wins"),
     ],
 )
 def test_the_users_own_nccl_tuning_wins_over_the_plans(environ, applied, line):
@@ -259,3 +309,119 @@ def test_a_protocol_chosen_in_nccls_config_file_wins_over_the_plans(tmp_path):
     assert env == () and "the user's NCCL_PROTO='Simple' wins" in said
     exported = nccl_settings({**environ, "NCCL_PROTO": "LL"})  # the environment's own first
     assert exported["NCCL_PROTO"] == "LL"
+
+
+# ------------------------------------------ what NCCL reads, the way NCCL reads it (issue 32 2)
+
+
+def test_the_home_nccl_conf_is_the_passwd_entrys_not_homes(tmp_path, monkeypatch):
+    """NCCL takes ~/.nccl.conf from getpwuid(getuid())->pw_dir: a container's -e HOME=..., sudo
+    -E or a batch system's $HOME is not where NCCL looks."""
+    import pwd
+    from types import SimpleNamespace
+
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    elsewhere, passwd_home = tmp_path / "home-env", tmp_path / "home-passwd"
+    for home, proto in ((elsewhere, "Simple"), (passwd_home, "LL128")):
+        home.mkdir()
+        (home / ".nccl.conf").write_text(f"NCCL_PROTO={proto}\n")
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_dir=str(passwd_home)))
+    settings = nccl_settings({"HOME": str(elsewhere)})
+    assert settings["NCCL_PROTO"] == "LL128"
+    assert settings.source("NCCL_PROTO") == str(passwd_home / ".nccl.conf")
+
+
+def _fifo(path):
+    import os
+
+    os.mkfifo(path)
+    return path
+
+
+def _not_utf8(path):
+    path.write_bytes(b"NCCL_DEBUG=WARN\n\xff\xfe\n")
+    return path
+
+
+def _large(path):  # NCCL reads all of it: a setting past any small bound still counts
+    path.write_text("# padding\n" * 200_000 + "NCCL_PROTO=Simple\n")
+    return path
+
+
+def _under_a_file(path):
+    path.write_text("")
+    return path / "nccl.conf"
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (_fifo, "a FIFO, not a regular file"),
+        (lambda path: "/dev/zero", "a character device, not a regular file"),
+        (_not_utf8, "not UTF-8 text"),
+        (_large, "over 1 MiB"),
+        (_under_a_file, "Not a directory"),
+    ],
+)
+def test_a_config_file_that_cannot_be_read_may_set_anything_so_nothing_is_exported(
+    tmp_path, make, why
+):
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    path = make(tmp_path / "nccl.conf")
+    settings = nccl_settings({"NCCL_CONF_FILE": str(path)})
+    assert settings.unreadable.startswith(f"NCCL's config file {path} unreadable ("), settings
+    assert why in settings.unreadable
+    env, said = nccl_env_to_apply(PLAN_WITH_LL, settings)
+    assert env == () and said == (
+        f"nccl env: tuned NCCL_PROTO=allreduce:LL not set: {settings.unreadable}, which may set "
+        "anything"
+    )
+
+
+def test_an_absent_config_file_sets_nothing_as_for_nccl(tmp_path):
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    settings = nccl_settings({"NCCL_CONF_FILE": str(tmp_path / "absent.conf")})
+    assert settings.unreadable is None
+    assert nccl_env_to_apply(PLAN_WITH_LL, settings)[0] == SCOPED_LL
+
+
+def test_doctors_warnings_read_nccls_config_files_under_the_environment(tmp_path):
+    """One reader for the warnings and the variant rule: NCCL_P2P_DISABLE=1 in NCCL_CONF_FILE
+    is warned about, naming the file; the environment's value wins over the file's."""
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_P2P_DISABLE=1\nNCCL_PROTO=Simple\n")
+    facts = load_profile(PCIE)
+    d = Deployment(tp_size=8, model_arch=KIMI, pcie_ipc_env=False)
+    plan = plan_allreduce(facts, d, FUSION_ARCHS)
+    found = nccl_warnings(nccl_settings({"NCCL_CONF_FILE": str(conf)}), facts, d, plan)
+    assert [w.variable for w in found] == ["NCCL_P2P_DISABLE", "NCCL_PROTO"]
+    assert found[0].set_in == str(conf)
+    assert found[0].line().startswith(f"NCCL_P2P_DISABLE='1' (set in {conf}): NCCL's P2P")
+    environ = {"NCCL_CONF_FILE": str(conf), "NCCL_P2P_DISABLE": "0", "NCCL_PROTO": "LL"}
+    assert nccl_warnings(nccl_settings(environ), facts, d, plan) == ()
+
+
+def test_doctor_says_which_config_file_it_could_not_check(tmp_path):
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    settings = nccl_settings({"NCCL_CONF_FILE": "/dev/zero"})
+    lines = warning_lines((), settings.unreadable)
+    assert lines[-1] == (
+        "  NCCL's config file /dev/zero unreadable (a character device, not a regular file): "
+        "its settings are not checked"
+    )
+
+
+def test_a_config_file_past_64_kib_is_read_whole_as_nccl_reads_it(tmp_path):
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("# site notes\n" * 8000 + "NCCL_PROTO=Simple\n")  # ~100 KiB
+    settings = nccl_settings({"NCCL_CONF_FILE": str(conf)})
+    env, said = nccl_env_to_apply(PLAN_WITH_LL, settings)
+    assert env == () and "the user's NCCL_PROTO='Simple' wins" in said

@@ -4,6 +4,7 @@ functions they wrap (the CUDA driver and the clock are what is faked, not sglang
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -567,3 +568,131 @@ def test_token_ranges_answer_as_the_route_lookup_does(routes):
             assert [tokens_in(t, ranges) for t in range(1, 3000)] == [
                 plan.route_at(t) in backends for t in range(1, 3000)
             ], (fusion, backends, ranges)
+
+
+# ------------------------------------- nccl_tuned_env acts where NCCL starts (issue 32 item 1)
+
+NCCL_TARGET = "sglang.srt.distributed.bootstrap.init_distributed_environment"
+
+
+@pytest.fixture
+def own_hook_registry(monkeypatch):
+    """SGLang's real registry with only this test's hooks, and the hooked function (every
+    module's copy of it) put back afterwards: other tests see upstream's own."""
+    import sys
+    from collections import defaultdict
+
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang_sm120.server import runtime, status
+    from sglang_sm120.server.patches import nccl_tuned_env
+
+    original = bootstrap.init_distributed_environment
+    holders = [
+        (module, name)
+        for module in list(sys.modules.values())
+        if module is not None
+        for name, value in list(getattr(module, "__dict__", {}).items())
+        if value is original
+    ]
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    for module, name in holders:
+        monkeypatch.setattr(module, name, original)
+    saved = (dict(runtime.PATCH_STATUS), dict(status.REGISTERED), list(runtime._nccl_env_line))
+    monkeypatch.setattr(nccl_tuned_env, "_ran", [], raising=False)
+    monkeypatch.setattr(nccl_tuned_env, "_set", {})
+    yield HookRegistry
+    runtime.PATCH_STATUS.clear()
+    runtime.PATCH_STATUS.update(saved[0])
+    status.REGISTERED.clear()
+    status.REGISTERED.update(saved[1])
+    runtime._nccl_env_line[:] = saved[2]
+
+
+def nccl_plan_published(monkeypatch, tmp_path) -> None:
+    """A launcher's plan with the tuned NCCL_PROTO=LL, and no NCCL tuning of the user's."""
+    from sglang_sm120.planning.nccl_settings import USER_NCCL_TUNING
+    from sglang_sm120.planning.policy import AllReducePlan
+
+    for name in USER_NCCL_TUNING:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_CONF_FILE", str(tmp_path / "absent.conf"))
+    plan = AllReducePlan(
+        True, None, "nccl", ("r",), ((512, "nccl"),), nccl_env=(("NCCL_PROTO", "LL"),)
+    )
+    publish_plan(monkeypatch, plan, tp=2)
+
+
+def test_a_still_starting_child_sets_the_tuned_nccl_env_at_nccl_init(
+    own_hook_registry, monkeypatch, tmp_path
+):
+    """A script that calls load_plugins() at module level: each spawned scheduler registers
+    while multiprocessing is still starting it (role ``bootstrapping``), and SGLang's own
+    load_plugins() in run_scheduler_process is then a no-op. The variables must still be in
+    the environment when SGLang's init_distributed_environment runs (a REPLACE hook, innermost
+    in the chain, stands in for NCCL there), and the status says applied only after that."""
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.plugins.hook_registry import HookType
+    from sglang_sm120.server import patches, plugin, runtime, status
+    from sglang_sm120.server.patches import nccl_tuned_env
+
+    nccl_plan_published(monkeypatch, tmp_path)
+    monkeypatch.setattr(patches, "PATCHES", (nccl_tuned_env,))
+    monkeypatch.setattr(runtime, "_role", [runtime.BOOTSTRAPPING])
+    plugin.register_patches(runtime.process_role())
+    seen = {}
+
+    def nccl_starts(*args, **kwargs):
+        seen["NCCL_PROTO"] = os.environ.get("NCCL_PROTO")
+
+    own_hook_registry.register(NCCL_TARGET, nccl_starts, HookType.REPLACE)
+    own_hook_registry.apply_hooks()
+    assert status.verify_applied()["nccl_tuned_env"] == (
+        "pending (NCCL_PROTO=allreduce:LL set when init_distributed_environment runs)"
+    )
+    assert "NCCL_PROTO" not in os.environ
+    bootstrap.init_distributed_environment(world_size=2, rank=0, backend="nccl")
+    assert seen == {"NCCL_PROTO": "allreduce:LL"}
+    assert runtime.PATCH_STATUS["nccl_tuned_env"] == "applied"
+    assert runtime.nccl_env_line().startswith(
+        "nccl env: NCCL_PROTO=allreduce:LL set before NCCL starts; "
+    )
+    monkeypatch.delenv("NCCL_PROTO")  # what the hook set, not this test's
+
+
+def test_a_scheduler_whose_nccl_init_never_ran_is_not_reported_applied(
+    own_hook_registry, monkeypatch, tmp_path
+):
+    """``applied`` means the variables were there when NCCL initialised: a scheduler that
+    registered but never reached init_distributed_environment (doctor's worker check) says
+    pending, never applied, and has set nothing."""
+    from sglang_sm120.server import patches, plugin, runtime, status
+    from sglang_sm120.server.patches import nccl_tuned_env
+
+    nccl_plan_published(monkeypatch, tmp_path)
+    monkeypatch.setattr(patches, "PATCHES", (nccl_tuned_env,))
+    monkeypatch.setattr(runtime, "_role", ["scheduler"])
+    plugin.register_patches("scheduler")
+    own_hook_registry.apply_hooks()
+    assert status.verify_applied()["nccl_tuned_env"].startswith("pending (")
+    assert "NCCL_PROTO" not in os.environ and runtime.nccl_env_line() is None
+
+
+def test_a_setting_that_did_not_take_effect_is_reported_refused(monkeypatch):
+    """A setting-type patch (no hook) is checked by its effect: add_norm's import-time constant
+    put back to False after fusion_applies set it (another plugin, a reload) reads refused."""
+    import importlib
+
+    from sglang_sm120.server import runtime, status
+    from sglang_sm120.server.patches import fusion_applies
+
+    add_norm = importlib.import_module(fusion_applies.MODULE)
+    monkeypatch.setattr(add_norm, "_is_sm90_supported", add_norm._is_sm90_supported)
+    monkeypatch.setitem(status.REGISTERED, "fusion_applies", fusion_applies)
+    monkeypatch.setitem(runtime.PATCH_STATUS, "fusion_applies", "registered")
+    fusion_applies.apply_setting()
+    add_norm._is_sm90_supported = False
+    assert status.verify_applied()["fusion_applies"] == (
+        "refused (its setting did not take effect)"
+    )

@@ -389,6 +389,10 @@ def test_a_version_2_table_still_serves_its_backends_without_variants(cache):
         # named, LL128 runs where NCCL did not enable it: "may cause silent data corruption"
         ({"NCCL_PROTO": "LL128"}, "nccl_variants[0].env.NCCL_PROTO"),
         ({"NCCL_MAX_NCHANNELS": "0"}, "channel count 1..64"),
+        ({"NCCL_MAX_NCHANNELS": "65"}, "channel count 1..64"),  # past NCCL's MAXCHANNELS
+        # an Arabic-Indic 4: str.isdigit() and int() take it, NCCL does not
+        ({"NCCL_MAX_NCHANNELS": "\u0664"}, "channel count 1..64"),
+        ({"NCCL_MAX_NCHANNELS": "\uff14"}, "channel count 1..64"),  # a fullwidth 4
         ({"NCCL_P2P_DISABLE": "1"}, "unknown key 'NCCL_P2P_DISABLE'"),
     ],
 )
@@ -418,7 +422,8 @@ def test_a_variant_that_fails_as_a_whole_keeps_its_reason_and_the_others_run(mon
 
     rows = measure_variants(TuneSettings(tp=2, tokens=(8,)), spawn)
     assert [env for env, _, _ in seen] == list(NCCL_VARIANTS)
-    assert seen[0][1:] == (None, None) and (LL, "LL", None) in seen and (TREE, None, "Tree") in seen
+    assert seen[0][1:] == (None, None)  # each for the all-reduce only, as a worker sets it
+    assert (LL, "allreduce:LL", None) in seen and (TREE, None, "allreduce:Tree") in seen
     assert os.environ["NCCL_PROTO"] == "Simple" and "NCCL_ALGO" not in os.environ
     by_env = {m.env: m for m in rows if m.tokens == 8}
     assert by_env[TREE] == VariantMeasurement(
@@ -426,6 +431,59 @@ def test_a_variant_that_fails_as_a_whole_keeps_its_reason_and_the_others_run(mon
     )
     assert by_env[LL].us is None and "operation not permitted" in by_env[LL].note
     assert by_env[()] == VariantMeasurement((), 8, 9.0, True, "")
+
+
+def test_every_user_nccl_tuning_variable_is_cleared_in_every_variants_ranks(monkeypatch, tmp_path):
+    """A worker sets no variant while any of USER_NCCL_TUNING is set: the variants are timed
+    without them (the default too), and the table's note names what was cleared."""
+    from sglang_sm120.commands.tune import (
+        TuneSettings,
+        measure_variants,
+        variant_conditions,
+    )
+    from sglang_sm120.planning.nccl_settings import USER_NCCL_TUNING
+
+    for name in USER_NCCL_TUNING:
+        monkeypatch.setenv(name, "2")
+    monkeypatch.setenv("NCCL_TUNER_PLUGIN", "libnccl-tuner.so")
+    monkeypatch.setenv("NCCL_CONF_FILE", str(tmp_path / "absent.conf"))
+    seen = []
+
+    def spawn(settings, env):
+        seen.append({k: os.environ[k] for k in USER_NCCL_TUNING if k in os.environ})
+        return [["nccl", 8, 9.0, True, ""]]
+
+    measure_variants(TuneSettings(tp=2, tokens=(8,)), spawn)
+    assert seen[0] == {}  # NCCL's own default, not the user's
+    assert all(set(s) <= {"NCCL_PROTO", "NCCL_ALGO"} for s in seen)
+    assert os.environ["NCCL_MIN_CTAS"] == "2"  # restored afterwards
+    note, refused = variant_conditions(os.environ)
+    assert refused is None
+    assert note.startswith("NCCL variants timed without the user's NCCL_PROTO='2', ")
+    assert "NCCL_MAX_NRINGS='2', NCCL_TUNER_PLUGIN='libnccl-tuner.so' (cleared" in note
+
+
+@pytest.mark.parametrize(
+    ("conf", "reason"),
+    [
+        ("NCCL_MAX_CTAS=8\n", "NCCL_MAX_CTAS='8' in {conf} would apply to every variant"),
+        (None, "NCCL's config file {conf} unreadable (a FIFO, not a regular file)"),
+    ],
+)
+def test_tune_times_no_variant_under_nccl_config_file_tuning(tmp_path, conf, reason):
+    """The ranks would read NCCL's config files, which the environment cannot clear: every
+    variant is left unmeasured with the reason, and the plan then sets none."""
+    from sglang_sm120.commands.tune import TuneSettings, variant_conditions, variants_refused
+
+    path = tmp_path / "nccl.conf"
+    if conf is None:
+        os.mkfifo(path)
+    else:
+        path.write_text(conf)
+    note, refused = variant_conditions({"NCCL_CONF_FILE": str(path)})
+    assert note is None and refused.startswith(reason.format(conf=path)), refused
+    rows = variants_refused(TuneSettings(tp=2, tokens=(8,)), refused)
+    assert all(m.us is None and m.note == f"n/a: {refused}" for m in rows)
 
 
 def test_one_shared_gpu_reports_every_variant_not_measured():
@@ -451,7 +509,7 @@ def test_tune_tp8_variants_are_estimated_under_ten_minutes():
 
     settings = TuneSettings(tp=8)
     assert variants_estimate_s(settings) < 600
-    assert "6 NCCL variants (default, NCCL_PROTO=LL," in estimate_line(settings)
+    assert "5 NCCL variants (default, NCCL_PROTO=LL," in estimate_line(settings)
     assert "each in 8 fresh processes over 13 token counts: about" in estimate_line(settings)
     assert not any(("NCCL_PROTO", "LL128") in env for env in NCCL_VARIANTS)
 

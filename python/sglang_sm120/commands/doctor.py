@@ -149,9 +149,11 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host, archs=FUSION_ARCHS)
         deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
         levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp_imports())
-        nccl = nccl_warnings(os.environ, facts, deployment, plan)
+        # what NCCL will see: the environment over its config files, one reader for both
+        settings = nccl_settings(os.environ)
+        nccl = nccl_warnings(settings, facts, deployment, plan)
         # what a TP worker started with this environment (and NCCL's config files) would set
-        nccl_set, nccl_line = nccl_env_to_apply(plan, nccl_settings(os.environ))
+        nccl_set, nccl_line = nccl_env_to_apply(plan, settings)
         if worker is not None:
             state = plugin_state(worker)
             checked = keep_state(key, state)
@@ -170,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         "plan": {**plan.to_json(), "tp": tp_size},
         "allreduce_options": [lever.to_json() for lever in levers],
         "nccl_warnings": [warning.to_json() for warning in nccl],
+        "nccl_conf_unreadable": settings.unreadable,
         "nccl_env": {"tuned": dict(plan.nccl_env), "set": dict(nccl_set), "why": nccl_line},
         **state,
         "plugin_check": {"reused": reused is not None, "checked_at": checked},
@@ -221,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         )
     lines += plan_lines(plan, tp_size)
     lines += lever_lines(levers)
-    lines += warning_lines(nccl)
+    lines += warning_lines(nccl, settings.unreadable)
     lines.append(f"in a TP worker with this environment: {nccl_line}")
     lines += _coverage_lines(coverage)
     lines += _variable_lines(variables)

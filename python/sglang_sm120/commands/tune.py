@@ -20,12 +20,16 @@ For each token count a decode/verify step can have and the model's hidden size, 
                  size they decline written as declined (``tuning.DECLINES``)
 
 Then NCCL variants (``planning.tuning.NCCL_VARIANTS``: NCCL_PROTO LL / Simple, NCCL_ALGO Ring /
-Tree, a low NCCL_MAX_NCHANNELS, beside NCCL's defaults; never LL128, which NCCL warns may corrupt
-data where it did not enable it): NCCL reads these once per process, so each variant is measured
-in freshly spawned rank processes, nccl only, at the token counts and one chunked-prefill size
-(``PREFILL_TOKENS``), timed and checked like every backend; a variant failing capture or the
-check keeps its reason in the table. The estimate of their time is printed before anything is
-measured.
+Tree, each for the all-reduce only (``allreduce:LL``, as a worker sets it), beside NCCL's
+defaults; never LL128, which NCCL warns may corrupt data where it did not enable it): NCCL reads
+these once per process, so each variant is measured in freshly spawned rank processes, nccl
+only, at the token counts and one chunked-prefill size (``PREFILL_TOKENS``), timed and checked
+like every backend; a variant failing capture or the check keeps its reason in the table. The
+estimate of their time is printed before anything is measured. They are measured as a worker
+would apply them: the user's NCCL tuning variables (``USER_NCCL_TUNING``) are cleared in the
+ranks and the table's notes name them; one set in NCCL's config files (which the ranks would
+read, and the environment cannot clear) or a config file that cannot be read leaves every
+variant unmeasured, with that reason.
 
 Ranks are one process per GPU when there are enough GPUs. Otherwise they share one GPU as
 streams of one process: only sm120_pcie can run there (NCCL refuses two ranks on one GPU), the
@@ -45,18 +49,20 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sglang_sm120.commands.args import positive_int
+from sglang_sm120.env_values import shown
 from sglang_sm120.machine.cache import cache_write_problem, host_fingerprint
 from sglang_sm120.machine.facts import current_facts
+from sglang_sm120.machine.nccl_conf import nccl_settings
+from sglang_sm120.planning.nccl_settings import USER_NCCL_TUNING
 from sglang_sm120.planning.tuning import (
     BACKENDS,
     DECLINES,
-    NCCL_TUNING_FAMILY,
     NCCL_VARIANTS,
     PREFILL_TOKENS,
     UPSTREAM_BACKENDS,
@@ -65,6 +71,7 @@ from sglang_sm120.planning.tuning import (
     TuningTable,
     VariantMeasurement,
     save_table,
+    scoped_env,
     variant_name,
 )
 
@@ -673,12 +680,49 @@ def estimate_line(settings: TuneSettings) -> str:
     )
 
 
+def variant_conditions(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(a table note naming the user's NCCL tuning variables that ``variant_environment``
+    clears in the ranks, or None; why no variant can be timed as a worker would run it, or
+    None). A worker sets no variant while any of USER_NCCL_TUNING is set, so a variant is only
+    worth timing without them; one set in NCCL's config files stays in every rank, the default's
+    too, as does anything an unreadable config file sets: then nothing is timed."""
+    cleared = [f"{k}={shown(environ[k])}" for k in USER_NCCL_TUNING if k in environ]
+    note = (
+        f"NCCL variants timed without the user's {', '.join(cleared)} (cleared in their ranks; "
+        "a TP worker sets no variant while any is set)"
+        if cleared
+        else None
+    )
+    files = nccl_settings({k: v for k, v in environ.items() if k not in USER_NCCL_TUNING})
+    if files.unreadable:
+        return note, f"{files.unreadable}: it may set NCCL's tuning in every variant's ranks"
+    in_files = [
+        f"{k}={shown(files[k])} in {files.source(k)}" for k in USER_NCCL_TUNING if k in files
+    ]
+    if in_files:
+        return note, (
+            f"{', '.join(in_files)} would apply to every variant, NCCL's default included "
+            "(config files cannot be cleared for the ranks): remove it and re-run tune"
+        )
+    return note, None
+
+
+def variants_refused(settings: TuneSettings, why: str) -> list[VariantMeasurement]:
+    """Every NCCL variant at every size, not measured, with ``variant_conditions``' reason."""
+    return [
+        VariantMeasurement(env, t, None, False, f"n/a: {why}")
+        for env in NCCL_VARIANTS
+        for t in variant_tokens(settings)
+    ]
+
+
 @contextlib.contextmanager
 def variant_environment(env: NcclEnv) -> Iterator[None]:
-    """os.environ with NCCL_TUNING_FAMILY as one variant says (the others unset: the default is
-    NCCL's own choice, not a user's), restored afterwards; spawned ranks inherit it."""
-    saved = {name: os.environ.pop(name, None) for name in NCCL_TUNING_FAMILY}
-    os.environ.update(dict(env))
+    """os.environ with none of USER_NCCL_TUNING (the default is NCCL's own choice, not a user's
+    or a tuner plugin's) and the variant's variables in the form a worker sets them
+    (``scoped_env``), restored afterwards; spawned ranks inherit it."""
+    saved = {name: os.environ.pop(name, None) for name in USER_NCCL_TUNING}
+    os.environ.update(dict(scoped_env(env)))
     try:
         yield
     finally:
@@ -762,14 +806,20 @@ def run_tune(settings: TuneSettings) -> tuple[TuningTable, Path]:
         raise ValueError("tune needs --tp >= 2: tp=1 has no all-reduce")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # ranks as streams: no lazy loads
     share = torch.cuda.device_count() < settings.tp
-    if not share:
+    cleared, refused = variant_conditions(os.environ)  # said now, not after the backends
+    if refused and not share:
+        print(f"tune: NCCL variants will not be timed: {refused}", file=sys.stderr, flush=True)
+    elif not share:
         print(estimate_line(settings), file=sys.stderr, flush=True)
     started = time.monotonic()
     measurements, notes = (_tune_local if share else _tune_multiprocess)(settings)
     if share:
         variants = variants_not_measured(settings)
+    elif refused:
+        variants = variants_refused(settings, refused)
     else:
         variants = measure_variants(settings)
+        notes += [cleared] if cleared else []
     notes.append(
         f"measured in {time.monotonic() - started:.0f} s on {torch.cuda.get_device_name()}"
     )

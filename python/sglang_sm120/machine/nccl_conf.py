@@ -1,42 +1,104 @@
 """The NCCL_* settings NCCL itself will see: the environment's, and those of NCCL's own
 configuration files, which it applies for every variable the environment leaves unset
-(``NCCL_CONF_FILE`` or ``~/.nccl.conf``, then ``/etc/nccl.conf``; NCCL User Guide,
-"Environment Variables"). A user who chose a protocol in ``/etc/nccl.conf`` chose it as surely
-as one who exported it: the plugin's tuned NCCL variant must not override either."""
+(``NCCL_CONF_FILE``, or else ``~/.nccl.conf`` in the passwd entry's home directory, then
+``/etc/nccl.conf``; NCCL User Guide, "Environment Variables", and NCCL's ``initEnv``, which
+takes the home from ``getpwuid(getuid())``, not from ``$HOME``). A user who chose a protocol in
+``/etc/nccl.conf`` chose it as surely as one who exported it: the plugin's tuned NCCL variant
+must not override either, and doctor's NCCL warnings read the same settings.
+
+NCCL reads each file whole. A file that is absent sets nothing (NCCL skips it too); one that
+cannot be read here within bounds (over ``MAX_BYTES``, not a regular file, no permission, not
+UTF-8) may set anything: ``NcclSettings.unreadable`` says which and why, and the plan then sets
+no NCCL variable of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import pwd
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from sglang_sm120.strict_json import read_regular_file
+from sglang_sm120.strict_json import UnreadableFile, read_regular_file
 
 CONF_FILE_ENV = "NCCL_CONF_FILE"
 SYSTEM_CONF = Path("/etc/nccl.conf")
-MAX_BYTES = 1 << 16
+MAX_BYTES = 1 << 20  # a site file of a few lines is ~100 bytes; past this, unreadable here
+ENVIRONMENT = "the environment"
+
+
+def passwd_home() -> str | None:
+    """The home directory NCCL takes ``~/.nccl.conf`` from: the passwd entry of this user."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir or None
+    except KeyError:  # no passwd entry (a container's arbitrary uid): NCCL reads no home file
+        return None
 
 
 def conf_files(environ: Mapping[str, str]) -> list[Path]:
     """NCCL's configuration files, in the order it applies them."""
-    home = environ.get("HOME") or str(Path.home())
-    return [Path(environ.get(CONF_FILE_ENV) or Path(home) / ".nccl.conf"), SYSTEM_CONF]
+    user = environ.get(CONF_FILE_ENV)
+    if user:
+        return [Path(user), SYSTEM_CONF]
+    home = passwd_home()
+    return ([Path(home) / ".nccl.conf"] if home else []) + [SYSTEM_CONF]
 
 
-def nccl_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """Every NCCL_* variable NCCL will see, by name: the environment's first, then each
-    configuration file's ``NAME=value`` lines (``#`` comments) for a name still unset. A file
-    that is missing or unreadable sets nothing."""
-    seen = {k: v for k, v in environ.items() if k.startswith("NCCL_")}
+class NcclSettings(Mapping[str, str]):
+    """Every NCCL_* variable NCCL will see, by name, with where each came from (``source``) and,
+    when a configuration file could not be read, why (``unreadable``: then NCCL may see more)."""
+
+    def __init__(
+        self,
+        values: Mapping[str, str],
+        sources: Mapping[str, str] | None = None,
+        unreadable: str | None = None,
+    ) -> None:
+        self._values = dict(values)
+        self._sources = dict(sources or {})
+        self.unreadable = unreadable
+
+    def __getitem__(self, name: str) -> str:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def source(self, name: str) -> str:
+        """Where NCCL gets ``name`` from: ``the environment`` or a configuration file's path."""
+        return self._sources.get(name, ENVIRONMENT)
+
+
+def _conf_text(path: Path) -> str | None:
+    """A configuration file's text; None when it is absent (NCCL skips it); UnreadableFile
+    (or UnicodeDecodeError) when it exists but cannot be read whole here."""
+    try:
+        return read_regular_file(path, MAX_BYTES).decode("utf-8")
+    except UnreadableFile as exc:
+        if exc.missing:
+            return None
+        raise
+
+
+def nccl_settings(environ: Mapping[str, str]) -> NcclSettings:
+    """What NCCL will see: the environment's NCCL_* first, then each configuration file's
+    ``NAME=value`` lines (``#`` comments) for a name still unset."""
+    values = {k: v for k, v in environ.items() if k.startswith("NCCL_")}
+    sources: dict[str, str] = {}
     for path in conf_files(environ):
         try:
-            text = read_regular_file(path, MAX_BYTES).decode(errors="replace")
-        except (OSError, ValueError):  # absent, a directory, too large: NCCL reads nothing
-            continue
-        for line in text.splitlines():
+            text = _conf_text(path)
+        except (UnreadableFile, UnicodeDecodeError) as exc:
+            why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else str(exc)
+            return NcclSettings(values, sources, f"NCCL's config file {path} unreadable ({why})")
+        for line in (text or "").splitlines():
             line = line.strip()
             if line.startswith("#") or "=" not in line:
                 continue
             name, value = (part.strip() for part in line.split("=", 1))
-            if name.startswith("NCCL_"):
-                seen.setdefault(name, value)
-    return seen
+            if name.startswith("NCCL_") and name not in values:
+                values[name] = value
+                sources[name] = str(path)
+    return NcclSettings(values, sources)

@@ -34,14 +34,18 @@ from typing import Any
 
 from sglang_sm120.env_values import shown
 from sglang_sm120.machine.facts import HostFacts
+from sglang_sm120.machine.nccl_conf import ENVIRONMENT, NcclSettings
 from sglang_sm120.planning.policy import AllReducePlan, Deployment
 from sglang_sm120.planning.tuning import (
     NCCL_TUNING_FAMILY,
+    NCCL_VARIANTS_VERSION,
     PREFILL_TOKENS,
+    SCOPED_KEYS,
     UNFUSED_MIN_GAIN,
     NcclEnv,
     TuningTable,
     VariantMeasurement,
+    scoped_env,
     size_ranges,
     variant_name,
 )
@@ -232,37 +236,54 @@ class NcclWarning:
     problem: str
     fix: str
     source: str
+    set_in: str = ENVIRONMENT  # or the NCCL config file that sets it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     def line(self) -> str:
-        return f"{self.variable}={self.value}: {self.problem} (fix: {self.fix}; {self.source})"
+        where = "" if self.set_in == ENVIRONMENT else f" (set in {self.set_in})"
+        return (
+            f"{self.variable}={self.value}{where}: {self.problem} (fix: {self.fix}; {self.source})"
+        )
 
 
 def nccl_warnings(
-    env: Mapping[str, str], facts: HostFacts, d: Deployment, plan: AllReducePlan
+    settings: Mapping[str, str], facts: HostFacts, d: Deployment, plan: AllReducePlan
 ) -> tuple[NcclWarning, ...]:
-    """The rules that find a problem in the NCCL_* variables of ``env`` for this launch."""
+    """The rules that find a problem in what NCCL will see for this launch (``settings``:
+    ``machine.nccl_conf.nccl_settings``, the environment over NCCL's config files)."""
     launch = Launch.of(facts, d, plan)
     found = []
     for rule in NCCL_RULES:
-        value = env.get(rule.variable)
+        value = settings.get(rule.variable)
         if value is None:
             continue
         problem = rule.problem(value, launch)
         if problem is not None:
-            found.append(NcclWarning(rule.variable, shown(value), problem, rule.fix, rule.source))
+            where = (
+                settings.source(rule.variable)
+                if isinstance(settings, NcclSettings)
+                else ENVIRONMENT
+            )
+            found.append(
+                NcclWarning(rule.variable, shown(value), problem, rule.fix, rule.source, where)
+            )
     return tuple(found)
 
 
-def warning_lines(warnings: tuple[NcclWarning, ...]) -> list[str]:
-    """doctor's NCCL section: one line per warning, or that none applies."""
+def warning_lines(warnings: tuple[NcclWarning, ...], unreadable: str | None = None) -> list[str]:
+    """doctor's NCCL section: one line per warning, or that none applies; and a config file
+    that could not be read (its settings are not checked)."""
+    tail = [f"  {unreadable}: its settings are not checked"] if unreadable else []
     if not warnings:
         return [
-            "NCCL settings: none of NCCL_P2P_DISABLE/P2P_LEVEL/PROTO/ALGO set against this launch"
+            "NCCL settings: none of NCCL_P2P_DISABLE/P2P_LEVEL/PROTO/ALGO set against this "
+            "launch (environment and NCCL's config files)",
+            *tail,
         ]
-    return ["NCCL settings that break or slow this launch:"] + [f"  {w.line()}" for w in warnings]
+    lines = ["NCCL settings that break or slow this launch:"]
+    return lines + [f"  {w.line()}" for w in warnings] + tail
 
 
 # ------------------------------------------------------------------ tuned NCCL variants
@@ -331,6 +352,18 @@ def _rule_against(env: NcclEnv, launch: Launch) -> str | None:
     return None
 
 
+def _unscoped(env: NcclEnv) -> str | None:
+    """Why a variant may not be set: a variable without a per-collective form (a channel
+    count) would change every collective of the worker, and tune timed only the all-reduce."""
+    unscoped = [k for k, _ in env if k not in SCOPED_KEYS]
+    if unscoped:
+        return (
+            f"{', '.join(unscoped)} has no per-collective form: it would set every collective's "
+            "channel count, and tune timed the all-reduce only"
+        )
+    return None
+
+
 def tuned_nccl_env(
     table: TuningTable | None, facts: HostFacts, d: Deployment, plan: AllReducePlan
 ) -> tuple[NcclEnv, str]:
@@ -350,6 +383,11 @@ def tuned_nccl_env(
         return (), "nccl env: none (--use-ray: Ray's actors load no SGLang plugin to set it)"
     if not table.nccl_variants:
         return (), "nccl env: none (the tuning table has no NCCL variants: re-run tune)"
+    if table.version < NCCL_VARIANTS_VERSION:
+        return (), (
+            f"nccl env: none (a version-{table.version} tuning table: its NCCL variants are "
+            "not applied; re-run tune)"
+        )
     by_env: dict[NcclEnv, dict[int, VariantMeasurement]] = {}
     for m in table.nccl_variants:
         by_env.setdefault(m.env, {})[m.tokens] = m
@@ -366,7 +404,7 @@ def tuned_nccl_env(
     for env, rows in by_env.items():
         if not env:
             continue
-        problem = _variant_problem(rows, sizes, _rule_against(env, launch))
+        problem = _unscoped(env) or _variant_problem(rows, sizes, _rule_against(env, launch))
         problem = problem or _prefill_loss(rows.get(PREFILL_TOKENS), default.get(PREFILL_TOKENS))
         if problem is not None:
             dropped.append(f"{variant_name(env)} ({problem})")
@@ -397,19 +435,33 @@ def with_tuned_nccl_env(plan: AllReducePlan, facts: HostFacts, d: Deployment) ->
     return dataclasses.replace(plan, nccl_env=env, nccl_reason=reason)
 
 
-# Set by the user, any of these keeps the tuned variant off: NCCL weighs the family together,
-# and a tuner plugin makes NCCL's choices itself.
-USER_NCCL_TUNING = (*NCCL_TUNING_FAMILY, "NCCL_TUNER_PLUGIN")
+# Set by the user, any of these keeps the tuned variant off: NCCL weighs the family together
+# (NCCL_MIN/MAX_CTAS are its names for the channel bounds since 2.17, NCCL_MIN/MAX_NRINGS the
+# legacy ones), and a tuner plugin makes NCCL's choices itself.
+USER_NCCL_TUNING = (
+    *NCCL_TUNING_FAMILY,
+    "NCCL_MIN_CTAS",
+    "NCCL_MAX_CTAS",
+    "NCCL_MIN_NRINGS",
+    "NCCL_MAX_NRINGS",
+    "NCCL_TUNER_PLUGIN",
+)
 
 
 def nccl_env_to_apply(plan: AllReducePlan, settings: Mapping[str, str]) -> tuple[NcclEnv, str]:
-    """(what a TP worker sets, the line that says so): the plan's tuned NCCL_* settings, unless
-    the user set any of USER_NCCL_TUNING, in the environment or NCCL's config files
-    (``settings``: ``machine.nccl_conf.nccl_settings``), or nothing when the plan has none."""
+    """(what a TP worker sets, the line that says so): the plan's tuned NCCL_* settings in
+    their per-collective form (``scoped_env``), unless the user set any of USER_NCCL_TUNING, in
+    the environment or NCCL's config files (``settings``: ``machine.nccl_conf.nccl_settings``),
+    or a config file could not be read (it may set any of them); nothing when the plan has
+    none."""
     if not plan.nccl_env:
         return (), plan.nccl_reason or "nccl env: none (no tuning table)"
-    name = variant_name(plan.nccl_env)
+    env = scoped_env(plan.nccl_env)
+    name = variant_name(env)
+    unreadable = settings.unreadable if isinstance(settings, NcclSettings) else None
+    if unreadable:
+        return (), f"nccl env: tuned {name} not set: {unreadable}, which may set anything"
     users = [f"{k}={shown(settings[k])}" for k in USER_NCCL_TUNING if k in settings]
     if users:
         return (), f"nccl env: tuned {name} not set: the user's {', '.join(users)} wins"
-    return plan.nccl_env, f"nccl env: {name} set before NCCL starts; {plan.nccl_reason}"
+    return env, f"nccl env: {name} set before NCCL starts; {plan.nccl_reason}"

@@ -25,10 +25,11 @@ all-reduce up to 8 MiB, MSCCL++ where it has a tuned configuration, torch symmet
 below its size limit); ``tune`` writes a cell they decline as ``us=None`` with a note starting
 with DECLINES, and SGLang's next communicator serves that size (``policy``).
 
-NCCL variants (``nccl_variants``): NCCL's own all-reduce under other NCCL_PROTO / NCCL_ALGO /
-NCCL_MAX_NCHANNELS settings, each measured in fresh processes (NCCL reads them once per
-process) beside the default; ``planning.nccl_settings.tuned_nccl_env`` picks one for the sizes
-the plan leaves on NCCL.
+NCCL variants (``nccl_variants``): NCCL's own all-reduce under other NCCL_PROTO / NCCL_ALGO
+settings, set for the all-reduce only (``scoped_env``), each measured in fresh processes (NCCL
+reads them once per process) beside the default; ``planning.nccl_settings.tuned_nccl_env``
+picks one for the sizes the plan leaves on NCCL (tables of version 3 may also carry
+NCCL_MAX_NCHANNELS rows, from before channel counts were dropped: read, never chosen).
 
 Example::
 
@@ -78,27 +79,35 @@ TABLE_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 # The NCCL_* variables a variant sets, and the ones that, set by the user, keep every tuned
 # variant off (NCCL reads them together to pick a protocol, algorithm and channel count).
+# NCCL_MAX_NCHANNELS: read from tables of version 3, never chosen (``SCOPED_KEYS``).
 NCCL_VARIANT_KEYS = ("NCCL_PROTO", "NCCL_ALGO", "NCCL_MAX_NCHANNELS")
 NCCL_TUNING_FAMILY = (*NCCL_VARIANT_KEYS, "NCCL_MIN_NCHANNELS")
+# The variables a plan may set: those NCCL (>= 2.24) reads per collective ("allreduce:LL"), so
+# the setting reaches only the all-reduce tune timed, not the worker's gathers, broadcasts or
+# its other groups. A channel count has no per-collective form: it is not a variant any more.
+SCOPED_KEYS = ("NCCL_PROTO", "NCCL_ALGO")
+SCOPE = "allreduce"
+# The first table version whose NCCL variants a plan may apply (2: before tune timed them).
+NCCL_VARIANTS_VERSION = 3
 # The values a variant may hold: what tune measures, so a table or a published plan cannot make
 # a worker set anything else.
 # Not LL128: NCCL enables it by default only where it was tested (NVLink on Volta to Blackwell);
 # named in NCCL_PROTO it runs anyway, and NCCL's tuning.cc warns that other cases "may cause
 # silent data corruption" (it relies on 128-byte stores arriving in order; NVIDIA/nccl#786).
 NCCL_VARIANT_CHOICES = {"NCCL_PROTO": ("LL", "Simple"), "NCCL_ALGO": ("Ring", "Tree")}
-MAX_NCHANNELS = 64
+MAX_NCHANNELS = 64  # NCCL's MAXCHANNELS: it takes no larger channel count
 # One chunked-prefill all-reduce beside the decode sizes: a variant serves every NCCL call of
 # the process, so it must not lose there (8192: SGLang's chunked_prefill_size on large GPUs).
 PREFILL_TOKENS = 8192
-# What tune measures: NCCL's defaults, then one variable changed at a time (six spawns of the
-# TP group; one variable at a time keeps the grid linear, not a product).
+# What tune measures: NCCL's defaults, then one variable changed at a time (five spawns of the
+# TP group; one variable at a time keeps the grid linear, not a product), each set in its
+# scoped form (``scoped_env``), as a worker sets it.
 NCCL_VARIANTS: tuple[tuple[tuple[str, str], ...], ...] = (
     (),
     (("NCCL_PROTO", "LL"),),
     (("NCCL_PROTO", "Simple"),),
     (("NCCL_ALGO", "Ring"),),
     (("NCCL_ALGO", "Tree"),),
-    (("NCCL_MAX_NCHANNELS", "4"),),  # few channels: less SM time taken from the model's kernels
 )
 # A table of every size 1..2048 for the eight backends takes ~2 MiB as `tune` writes it.
 TABLE_MAX_BYTES = 16 << 20
@@ -147,10 +156,18 @@ def variant_env(data: Any, where: str) -> NcclEnv:
     for key in sorted(data):
         choices = NCCL_VARIANT_CHOICES.get(key)
         value = require(data, key, str, where, choices=choices, limit=8)
-        if choices is None and not (value.isdigit() and 1 <= int(value) <= MAX_NCHANNELS):
+        # ASCII digits only: str.isdigit() and int() also take other scripts' digits ('٤')
+        digits = value.isascii() and value.isdigit()
+        if choices is None and not (digits and 1 <= int(value) <= MAX_NCHANNELS):
             raise FieldError(f"{where}.{key} must be a channel count 1..{MAX_NCHANNELS}")
         env.append((key, value))
     return tuple(env)
+
+
+def scoped_env(env: NcclEnv) -> NcclEnv:
+    """``env`` as a worker (and tune's ranks) set it: NCCL_PROTO / NCCL_ALGO for the all-reduce
+    only (``allreduce:LL``); NCCL applies its own choice to every other collective."""
+    return tuple((k, f"{SCOPE}:{v}" if k in SCOPED_KEYS else v) for k, v in env)
 
 
 def variant_name(env: NcclEnv) -> str:

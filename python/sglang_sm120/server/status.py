@@ -74,11 +74,16 @@ def _missing_effect(module) -> str | None:
 
 def verify_applied() -> dict[str, str]:
     """Check, after SGLang applied the registered hooks, that each registered patch is in effect;
-    returns (and records) every patch's status."""
+    returns (and records) every patch's status. A patch whose effect only its hook can see
+    (``pending()``: what it waits for) is ``pending (...)`` until that hook records it."""
     for name, module in REGISTERED.items():
         if PATCH_STATUS.get(name) != "registered":
             continue
         problem = _missing_effect(module)
+        waiting = getattr(module, "pending", lambda: None)() if problem is None else None
+        if waiting is not None:  # its hook decides, when its target runs (it records then)
+            PATCH_STATUS[name] = f"pending ({waiting})"
+            continue
         PATCH_STATUS[name] = "applied" if problem is None else f"refused ({problem})"
         if problem is not None:
             log_once(logging.ERROR, f"sglang-sm120: patch {name} not in effect: {problem}")

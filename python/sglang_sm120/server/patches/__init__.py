@@ -12,7 +12,7 @@
 | pcie_ipc_enable      | pcie_ipc_ar.eligible_group                   | PCIe-IPC on by default     |
 | allreduce_precedence | parallel_state.set_flashinfer_allreduce_only | plain AR -> PCIe-IPC first |
 | upstream_switches    | parallel_state.set_mscclpp (+ torch symm mem) | table's AR switches on |
-| nccl_tuned_env       | NCCL_* read at init_distributed_environment  | tuned NCCL variant set     |
+| nccl_tuned_env       | bootstrap.init_distributed_environment       | tuned NCCL variant set     |
 | sm120_pcie_backend   | FlashInfer fusion entry points               | fused points -> our kernel |
 | peer_check           | SchedulerOutputStreamer.stream_output        | no output after a timeout  |
 | graph_stats          | decode graph runner capture/replay (opt-in)  | counts for the e2e suite   |
@@ -22,7 +22,8 @@ A patch module provides ``ROLES`` (the processes it is registered in: ``launcher
 ``HOOKS`` (hook-registry rows),
 ``not_needed(capability)`` and optionally ``COPIES`` (``from X import`` copies SGLang calls,
 which must be the patched object), ``apply_setting()`` / ``is_applied()`` (a plain setting
-instead of a hook, and the check of its effect).
+instead of a hook, and the check of its effect), and ``pending()`` (a hook that records its own
+status when its target runs: what the status waits for until then).
 """
 
 from sglang_sm120.server.patches import (

@@ -1,49 +1,51 @@
 """Patch: a TP worker sets the NCCL_* variables the tuning table chose, before NCCL starts.
 
 Why: NCCL picks its protocol, algorithm and channel count per message from a model of the
-    link, and reads NCCL_PROTO / NCCL_ALGO / NCCL_MAX_NCHANNELS once per process, when its
-    first communicator is made (SGLang's ``init_distributed_environment``). Where ``tune``
-    measured a variant clearly faster than NCCL's own choice at the sizes the plan leaves on
-    NCCL (``planning.nccl_settings.tuned_nccl_env``), nothing in SGLang can ask for it.
-How: a plain setting, no hook: when the plugin registers in a scheduler process (SGLang's
-    ``run_scheduler_process`` calls ``load_plugins()`` first, before it builds the Scheduler
-    that calls ``init_distributed_environment``), each variable of the plan's ``nccl_env`` is
-    put in ``os.environ``, only when none of ``USER_NCCL_TUNING`` is set, in the environment or
-    NCCL's config files (``machine.nccl_conf``): a user's own value (or SGLang's, for
-    deterministic inference) wins, and the status line says so. Set in the worker,
-    not the launcher: a launcher's variable would look like the user's to its workers, and would
-    leak into an Engine user's own process.
+    link, and reads NCCL_PROTO / NCCL_ALGO once per process, when its first communicator is
+    made (SGLang's ``init_distributed_environment``). Where ``tune`` measured a variant clearly
+    faster than NCCL's own choice at the sizes the plan leaves on NCCL
+    (``planning.nccl_settings.tuned_nccl_env``), nothing in SGLang can ask for it.
+How: BEFORE hook on ``init_distributed_environment``, which every process that starts NCCL
+    passes first, however it was started: also a scheduler that loaded plugins while
+    multiprocessing was still starting it (a script calling ``load_plugins()`` at module level),
+    whose role was not known yet when it registered. There each variable of the plan's
+    ``nccl_env`` is put in ``os.environ`` in its per-collective form (``allreduce:LL``), only
+    when none of ``USER_NCCL_TUNING`` is set, in the environment or NCCL's config files, and
+    every config file could be read (``machine.nccl_conf``): a user's own value (or SGLang's,
+    for deterministic inference) wins, and the status says so. ``applied`` means the variables
+    were in the environment when ``init_distributed_environment`` ran; until then the status
+    is ``pending``. Set in the worker, not the launcher: a launcher's variable would look like
+    the user's to its workers, and would leak into an Engine user's own process.
 Upstream: none; NCCL tuning is the deployer's job upstream.
 Removal: when NCCL's own model picks the measured winner on SM12x PCIe hosts.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+
+from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_sm120.machine.nccl_conf import nccl_settings
 from sglang_sm120.planning.nccl_settings import nccl_env_to_apply
 from sglang_sm120.planning.policy import Capability
+from sglang_sm120.planning.tuning import variant_name
 from sglang_sm120.server.contract import Symbol
 from sglang_sm120.server.runtime import (
     NO_LAUNCH_PLAN_NCCL,
-    process_role,
+    PATCH_STATUS,
+    log_once,
     record_nccl_env,
     worker_plan,
 )
 
-CONTRACT = (
-    # The order this patch relies on: plugins load before the Scheduler exists.
-    Symbol(
-        "sglang.srt.managers.scheduler.run_scheduler_process",
-        "function",
-        reads=("load_plugins", "Scheduler"),
-    ),
-    Symbol("sglang.srt.distributed.bootstrap.init_distributed_environment", "function"),
-)
-HOOKS = ()
+TARGET = "sglang.srt.distributed.bootstrap.init_distributed_environment"
+CONTRACT = (Symbol(TARGET, "function"),)
 ROLES = ("scheduler",)
-_set: dict[str, str] = {}
+NAME = "nccl_tuned_env"
+_set: dict[str, str] = {}  # what the hook put in os.environ
+_ran: list[bool] = []  # whether the hook ran in this process
 
 
 def _to_apply() -> tuple[tuple[tuple[str, str], ...], str]:
@@ -60,15 +62,34 @@ def not_needed(cap: Capability) -> str | None:
     return None if env else line
 
 
-def apply_setting() -> None:
-    if process_role() != "scheduler":  # a child still starting may become anything
+def set_before_nccl_starts(*args, **kwargs) -> None:
+    """Put the plan's NCCL variables in the environment NCCL is about to read, and record
+    whether they hold there (the patch's status); once per process (a second call would read
+    our own values as the user's)."""
+    if _ran:
         return
+    _ran.append(True)
     env, line = _to_apply()
     for name, value in env:
         os.environ[name] = value
         _set[name] = value
+    held = all(os.environ.get(name) == value for name, value in env)
+    if not env:
+        status = f"not needed ({line})"
+    else:
+        status = "applied" if held else "refused (its setting did not take effect)"
+    PATCH_STATUS[NAME] = status
     record_nccl_env(line)
+    log_once(logging.INFO, f"sglang-sm120: {NAME}={status} at init_distributed_environment; {line}")
 
 
-def is_applied() -> bool:
-    return all(os.environ.get(name) == value for name, value in _set.items())
+def pending() -> str | None:
+    """What the status waits for until the hook has run (None once it has)."""
+    if _ran:
+        return None
+    env, _ = _to_apply()
+    what = variant_name(env) if env else "the plan's NCCL variables"
+    return f"{what} set when init_distributed_environment runs"
+
+
+HOOKS = ((TARGET, set_before_nccl_starts, HookType.BEFORE),)
