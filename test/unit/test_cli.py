@@ -192,7 +192,9 @@ def test_doctor_text_shows_p2p_matrix_and_kill_switch_state():
     )
     assert proc.returncode == 0, proc.stderr
     assert "GPU0   -  N" in proc.stdout and "disabled (SGLANG_SM120_DISABLE=1)" in proc.stdout
-    assert "kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied" in proc.stdout
+    assert "kill switch SGLANG_SM120_DISABLE=1: the plugin applies nothing" in proc.stdout
+    assert "plain_allreduce=upstream  managed=False" in proc.stdout
+    assert "upstream decides: the kill switch SGLANG_SM120_DISABLE=1 is on" in proc.stdout
 
 
 def test_doctor_checks_kernel_images_for_a_given_capability():

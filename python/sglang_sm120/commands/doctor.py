@@ -34,9 +34,10 @@ from sglang_sm120.machine.host_checks import HostFindings, format_checks
 from sglang_sm120.machine.nccl_conf import nccl_settings
 from sglang_sm120.planning.levers import allreduce_levers, lever_lines
 from sglang_sm120.planning.nccl_settings import nccl_env_to_apply, nccl_warnings, warning_lines
-from sglang_sm120.planning.policy import VALIDATION_NOTE
+from sglang_sm120.planning.policy import VALIDATION_NOTE, AllReducePlan, upstream_decides
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 from sglang_sm120.server.runtime import NO_LAUNCH_PLAN_NCCL
+from sglang_sm120.server.status import applies_nothing
 from sglang_sm120.version import SGLANG_PIN, __version__
 
 
@@ -48,6 +49,14 @@ def with_nccl_status(state: dict[str, Any], nccl_set: tuple, nccl_line: str) -> 
         return state  # not loaded, refused, or not an SM12x host: the worker's word stands
     status = f"needed in the TP worker ({nccl_line})" if nccl_set else f"not needed ({nccl_line})"
     return {**state, "patches": {**state["patches"], "nccl_tuned_env": status}}
+
+
+def plan_in_force(plan: AllReducePlan, patches: dict[str, str]) -> AllReducePlan:
+    """The plan SGLang's processes follow: the plugin's, or, where the plugin applies nothing
+    (another sglang, a contract mismatch, the kill switch, a target that does not import),
+    upstream's own behaviour and why: what a user reads is what the server does."""
+    why = applies_nothing(patches)
+    return plan if why is None else upstream_decides(why)
 
 
 def _kernel_coverage(capability: tuple[int, int] | None) -> dict[str, Any]:
@@ -148,17 +157,19 @@ def run(args: argparse.Namespace) -> int:
         host = findings if findings_describe(facts) else None
         plan = plan_for_args(facts, args, tp_size, local_tuning=True, host=host, archs=FUSION_ARCHS)
         deployment = deployment_for(args, tp_size, local_tuning=True, host=host)
-        levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp_imports())
-        # what NCCL will see: the environment over its config files, one reader for both
-        settings = nccl_settings(os.environ)
-        nccl = nccl_warnings(settings, facts, deployment, plan)
-        # what a TP worker started with this environment (and NCCL's config files) would set
-        nccl_set, nccl_line = nccl_env_to_apply(plan, settings)
+        mscclpp = mscclpp_imports()
         if worker is not None:
             state = plugin_state(worker)
             checked = keep_state(key, state)
         else:
             state, checked = reused
+    plugin_plan, plan = plan, plan_in_force(plan, state["patches"])
+    levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp)
+    # what NCCL will see: the environment over its config files, one reader for both
+    settings = nccl_settings(os.environ)
+    nccl = nccl_warnings(settings, facts, deployment, plan)
+    # what a TP worker started with this environment (and NCCL's config files) would set
+    nccl_set, nccl_line = nccl_env_to_apply(plan, settings)
     state = with_nccl_status(state, nccl_set, nccl_line)
     progress("reading the kernel images ...")
     capability = args.capability or (facts.gpus[0].capability if facts.gpus else None)
@@ -170,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         "facts": facts.to_json(),
         "gpu_present": bool(facts.gpus),
         "plan": {**plan.to_json(), "tp": tp_size},
+        "plan_not_in_force": None if plan is plugin_plan else plugin_plan.to_json(),
         "allreduce_options": [lever.to_json() for lever in levers],
         "nccl_warnings": [warning.to_json() for warning in nccl],
         "nccl_conf_unreadable": settings.unreadable,
@@ -212,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
     lines += [f"  - {p}" for p in problems]
     if report["kill_switch"]:
-        lines.append("kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied")
+        lines.append("kill switch SGLANG_SM120_DISABLE=1: the plugin applies nothing")
     if report["validation_mode"]:
         lines.append(f"VALIDATION MODE ON: {VALIDATION_NOTE}")
     lines += format_checks(findings.checks)
@@ -223,6 +235,11 @@ def run(args: argparse.Namespace) -> int:
             "not use them: set SGLANG_SM120_SYSFS_ROOT to that machine's sysfs dump)"
         )
     lines += plan_lines(plan, tp_size)
+    if plan is not plugin_plan:
+        lines.append(
+            f"  (the plugin's plan, not in force: fusion_backend="
+            f"{plugin_plan.fusion_backend or 'off'}  plain_allreduce={plugin_plan.plain_allreduce})"
+        )
     lines += lever_lines(levers)
     lines += warning_lines(nccl, settings.unreadable)
     lines.append(f"in a TP worker with this environment: {nccl_line}")

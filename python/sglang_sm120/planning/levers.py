@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_sm120.machine.facts import GpuInfo, HostFacts
-from sglang_sm120.planning.policy import AllReducePlan, Deployment, plan_allreduce
+from sglang_sm120.planning.policy import (
+    UPSTREAM_DECIDES,
+    AllReducePlan,
+    Deployment,
+    plan_allreduce,
+)
 from sglang_sm120.planning.upstream import (
     CUSTOM_ALL_REDUCE_MAX_BYTES,
     CUSTOM_ALL_REDUCE_PCIE_MAX_WORLD,
@@ -89,10 +94,18 @@ class _Group:
         return f"no P2P between GPUs {pairs}" + (" ..." if len(self.missing_p2p) > 4 else "")
 
 
+def _unmanaged(plan: AllReducePlan) -> str:
+    """Why upstream decides: the plugin stood down (``policy.upstream_decides``), or these GPUs
+    are not ones it manages."""
+    if plan.reasons and plan.reasons[0].startswith(UPSTREAM_DECIDES):
+        return "the plugin applies nothing here"
+    return "this plan does not manage these GPUs"
+
+
 def serving(plan: AllReducePlan) -> str:
     """Where the plan sends all-reduces, in a few words."""
     if not plan.managed:
-        return "upstream's own choice (this plan does not manage these GPUs)"
+        return f"upstream's own choice ({_unmanaged(plan)})"
     plain = {
         "none": "no all-reduce (tp=1)",
         "pcie_ipc": "PCIe-IPC for decode/verify sizes, NCCL above",
@@ -303,7 +316,7 @@ def _pcie_ipc(
             switch,
             None,
             None,
-            "upstream's default (off); this plan does not manage these GPUs",
+            f"upstream's default (off); {_unmanaged(plan)}",
             "=1: upstream builds PCIe-IPC for the TP group (world sizes 2/4/8, bf16), after "
             "custom all-reduce",
         )
@@ -331,6 +344,19 @@ def _fusion_flags(
     judged by planning again with each set."""
     backend_switch = "--flashinfer-allreduce-fusion-backend"
     disable_switch = "--enforce-disable-flashinfer-allreduce-fusion"
+    if not plan.managed and {g.capability[0] for g in facts.gpus_at(d.first_tp_group())} == {12}:
+        note = "upstream fuses on SM90/SM100 only: its auto-enable turns nothing on for SM12x"
+        return (
+            Lever(
+                backend_switch,
+                False,
+                False,
+                note,
+                "upstream's backend resolve raises ValueError for SM12x at warmup: the server "
+                "does not start",
+            ),
+            Lever(disable_switch, True, None, note, "no change: fusion stays off"),
+        )
     if not plan.managed:
         note = "upstream decides (auto on SM90/SM100 for the architectures it fuses)"
         return (

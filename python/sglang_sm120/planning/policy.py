@@ -690,6 +690,15 @@ def _plan_plain(
     )
 
 
+UPSTREAM_DECIDES = "upstream decides: "
+
+
+def upstream_decides(why: str) -> AllReducePlan:
+    """The plan in force where the plugin applies nothing (another sglang, a contract mismatch,
+    the kill switch): upstream's own behaviour, with ``why`` as its one reason."""
+    return AllReducePlan(False, None, "upstream", (UPSTREAM_DECIDES + why,))
+
+
 def plan_allreduce(
     facts: HostFacts, deployment: Deployment, fusion_archs: Collection[str]
 ) -> AllReducePlan:

@@ -90,6 +90,21 @@ def verify_applied() -> dict[str, str]:
     return dict(PATCH_STATUS)
 
 
+def applies_nothing(statuses: dict[str, str]) -> str | None:
+    """Why the plugin applies nothing at all, read from the patches' statuses (doctor's merged
+    view of the launcher and a TP worker), or None where a patch is applied or none is needed.
+    Then the plan is not in force: upstream decides (``policy.upstream_decides``)."""
+    if any(status == "applied" for status in statuses.values()):
+        return None
+    for status in statuses.values():
+        if status.startswith(("refused (", "disabled (")) and status.endswith(")"):
+            why = status[status.index("(") + 1 : -1]
+            return f"the kill switch {why} is on" if status.startswith("disabled") else why
+        if status == "plugin not loaded":
+            return "the plugin is not loaded (SGLANG_PLUGINS must include sglang_sm120)"
+    return None
+
+
 def status_line(role: str) -> str:
     """The one line per process that says what the plugin does here."""
     cap = capability_for(role)
