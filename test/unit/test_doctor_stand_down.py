@@ -152,5 +152,6 @@ def test_doctor_on_a_real_previous_sglang_shows_upstream_decides(tmp_path):
     assert plan["managed"] is False and plan["plain_allreduce"] == "upstream", plan
     assert plan["reasons"][0].startswith("upstream decides: sglang "), plan["reasons"]
     assert report["plan_not_in_force"]["plain_allreduce"] == "pcie_ipc"
+    assert report["patches"]["engine_launch_plan"].startswith("not checked in the Engine")
     options = {row["switch"]: row for row in report["allreduce_options"]}
     assert options["SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"]["used"] is None

@@ -104,9 +104,10 @@ def import_sglang() -> None:
         ) from None
 
 
-def _unvisited_status(module) -> str:
+def _unvisited_status(module, stood_down: str | None) -> str:
     """A patch only processes doctor does not start use (an Engine process, the DP controller):
-    whether this host needs it, without claiming it was applied."""
+    whether this host needs it, without claiming it was applied; where the launcher and the TP
+    worker applied nothing (``stood_down``: why), not that it would be applied either."""
     from sglang_sm120.server.runtime import sm12x_capability
     from sglang_sm120.server.status import ROLE_NAMES
 
@@ -114,6 +115,11 @@ def _unvisited_status(module) -> str:
     if reason is not None:
         return f"not needed ({reason})"
     names = " and ".join(ROLE_NAMES[role] for role in module.ROLES)
+    if stood_down is not None:
+        return (
+            f"not checked in the {names} (doctor starts no such process); the launcher and "
+            f"the TP worker apply nothing: {stood_down}"
+        )
     return f"needed in the {names} (doctor starts no such process)"
 
 
@@ -128,7 +134,7 @@ def plugin_state(worker: WorkerCheck) -> dict[str, Any]:
     from sglang_sm120.server.contract import check
     from sglang_sm120.server.patches import PATCHES, patch_name
     from sglang_sm120.server.plugin import declared_contract
-    from sglang_sm120.server.status import verify_applied
+    from sglang_sm120.server.status import applies_nothing, verify_applied
 
     discovered = any(
         ep.value == "sglang_sm120:register" for ep in entry_points(group="sglang.srt.plugins")
@@ -138,13 +144,16 @@ def plugin_state(worker: WorkerCheck) -> dict[str, Any]:
     if not by_process["launcher"]:
         unloaded = "plugin not loaded: check SGLANG_PLUGINS, which must include sglang_sm120"
         by_process["launcher"] = {"(none)": unloaded}
+    stood_down = applies_nothing(
+        {f"{process}: {n}": s for process, st in by_process.items() for n, s in st.items()}
+    )
     patches = {}
     for module in PATCHES:  # each patch as the process that uses it reports it
         name = patch_name(module)
         seen = [statuses[name] for statuses in by_process.values() if name in statuses]
         used = [status for status in seen if not status.startswith("not used in the")]
         if not used and seen and not set(module.ROLES) & {"launcher", "scheduler"}:
-            used = [_unvisited_status(module)]
+            used = [_unvisited_status(module, stood_down)]
         patches[name] = (used or seen or ["plugin not loaded"])[0]
     return {
         "entry_point_discovered": discovered,
