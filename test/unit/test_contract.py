@@ -9,6 +9,7 @@ from sglang_sm120.server import plugin
 from sglang_sm120.server.contract import Symbol, check, mismatch
 from sglang_sm120.server.patches import PATCHES, patch_name
 from sglang_sm120.server.runtime import PATCH_STATUS
+from sglang_sm120.server.upstream_tables import TABLES
 
 FULL_CONTRACT = plugin.declared_contract(PATCHES)
 
@@ -148,27 +149,40 @@ def test_register_never_raises(monkeypatch):
     PATCH_STATUS.clear()
 
 
-def test_the_fusion_archs_plan_uses_are_the_installed_sglangs():
-    """``plan`` answers without importing SGLang, from a copy that must stay upstream's table."""
-    from sglang.srt.arg_groups.overrides import _FLASHINFER_ALLREDUCE_FUSION_ARCHS
-    from sglang_sm120.planning.upstream import FUSION_ARCHS
+@pytest.mark.parametrize("table", TABLES, ids=lambda table: table.name)
+def test_every_table_planning_upstream_copies_is_the_installed_sglangs(table):
+    """``plan`` and ``levers`` answer without importing SGLang, from copies that must stay
+    upstream's; the bump report runs these same checks against another release."""
+    assert table.differences() == []
 
-    assert frozenset(_FLASHINFER_ALLREDUCE_FUSION_ARCHS) == FUSION_ARCHS
 
-
-def test_the_flag_choices_doctor_and_plan_check_are_the_installed_sglangs():
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
+def test_the_flags_doctor_and_plan_check_have_copied_choices():
     from sglang_sm120.commands.args import UPSTREAM_FLAGS
     from sglang_sm120.planning.upstream import FLAG_CHOICES
 
-    parser = argparse.ArgumentParser(add_help=False)
-    ServerArgs.add_cli_args(parser)
-    actions = parser._option_string_actions  # argparse keeps no public map of its options
     assert set(UPSTREAM_FLAGS.values()) <= set(FLAG_CHOICES)
-    for flag, choices in FLAG_CHOICES.items():
-        assert tuple(str(c) for c in actions[flag].choices) == choices, flag
+
+
+def test_a_copy_that_no_longer_holds_names_what_moved(monkeypatch):
+    from sglang_sm120.planning import upstream
+    from sglang_sm120.server.upstream_tables import TABLES
+
+    table = next(t for t in TABLES if t.name == "FUSION_ARCHS")
+    monkeypatch.setattr(upstream, "FUSION_ARCHS", upstream.FUSION_ARCHS - {"GptOssForCausalLM"})
+    assert table.differences() == ["FUSION_ARCHS: upstream now also has ['GptOssForCausalLM']"]
+    monkeypatch.setattr(upstream, "OUTPLACE_ALLREDUCE_ORDER", ("pcie_ipc", "ca"))
+    order = next(t for t in TABLES if t.name == "OUTPLACE_ALLREDUCE_ORDER")
+    assert order.differences()[0].startswith("OUTPLACE_ALLREDUCE_ORDER: our copy ('pcie_ipc'")
+
+
+def test_a_copy_whose_upstream_is_gone_says_it_cannot_be_read(monkeypatch):
+    from sglang.srt.distributed.device_communicators import pcie_ipc_ar
+    from sglang_sm120.server.upstream_tables import TABLES
+
+    monkeypatch.delattr(pcie_ipc_ar, "_ELIGIBLE_GROUP_NAMES")
+    table = next(t for t in TABLES if t.name == "PCIE_IPC_*")
+    (problem,) = table.differences()
+    assert problem.startswith("PCIE_IPC_*: cannot read device_communicators/pcie_ipc_ar.py")
 
 
 def test_plan_imports_neither_sglang_nor_torch(tmp_path):
@@ -187,97 +201,6 @@ def test_plan_imports_neither_sglang_nor_torch(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
-def test_the_custom_all_reduce_rules_levers_state_are_the_installed_sglangs():
-    """Custom all-reduce: its world sizes, its size limit, more than two PCIe-only GPUs
-    refused, and a world of 2 or full NVLink served."""
-    import inspect
-
-    from sglang.srt.distributed.device_communicators import custom_all_reduce_utils as utils
-    from sglang.srt.distributed.device_communicators.custom_all_reduce import CustomAllreduce
-    from sglang_sm120.planning import upstream
-
-    assert tuple(CustomAllreduce._SUPPORTED_WORLD_SIZES) == upstream.CUSTOM_ALL_REDUCE_WORLD_SIZES
-    assert CustomAllreduce._MAX_CAR_SIZE == upstream.CUSTOM_ALL_REDUCE_MAX_BYTES
-    pcie = upstream.CUSTOM_ALL_REDUCE_PCIE_MAX_WORLD
-    refusal = inspect.getsource(utils.can_use_custom_all_reduce_with_nvlink)
-    assert f"world_size > {pcie} and not full_nvlink" in refusal
-    assert "can_p2p(" in refusal and "in_the_same_node_as(" in refusal
-    served = inspect.getsource(CustomAllreduce.should_custom_ar)
-    assert f"self.world_size == {pcie} or self.full_nvlink" in served
-
-
-def test_the_mscclpp_conditions_levers_state_are_the_installed_sglangs():
-    import inspect
-
-    from sglang.srt.distributed.device_communicators import pymscclpp
-    from sglang_sm120.planning import upstream
-
-    assert pymscclpp._SUPPORTED_WORLD_SIZES == upstream.MSCCLPP_WORLD_SIZES
-    init = inspect.getsource(pymscclpp.PyMscclppCommunicator.__init__)
-    for module in upstream.MSCCLPP_MODULES:
-        assert f'importlib.import_module("{module}")' in init, module
-    assert "self.world_size not in _SUPPORTED_WORLD_SIZES" in init
-
-
-def test_the_torch_symm_mem_table_levers_state_is_the_installed_sglangs():
-    import inspect
-
-    from sglang.srt.distributed.device_communicators import torch_symm_mem
-    from sglang.srt.distributed.device_communicators.all_reduce_utils import (
-        TORCH_SYMM_MEM_ALL_REDUCE_MAX_SIZES,
-    )
-    from sglang_sm120.planning import upstream
-
-    assert TORCH_SYMM_MEM_ALL_REDUCE_MAX_SIZES == upstream.TORCH_SYMM_MEM_MAX_BYTES
-    init = inspect.getsource(torch_symm_mem.TorchSymmMemCommunicator.__init__)
-    assert "handle.multicast_ptr == 0" in init  # no multicast: disabled
-
-
-def test_the_pcie_ipc_conditions_the_plan_states_are_the_installed_sglangs():
-    from sglang.srt.distributed.device_communicators import pcie_ipc_ar
-    from sglang_sm120.planning import upstream
-    from sglang_sm120.planning.policy import PCIE_IPC_WORLD_SIZES
-
-    assert pcie_ipc_ar._SUPPORTED_WORLD_SIZES == PCIE_IPC_WORLD_SIZES
-    assert pcie_ipc_ar._ELIGIBLE_GROUP_NAMES == upstream.PCIE_IPC_GROUPS
-
-
-def test_the_all_reduce_order_levers_state_is_the_installed_sglangs():
-    """MSCCL++ before custom all-reduce and PCIe-IPC, and NCCL with symmetric memory before
-    FlashInfer and every other communicator: what "if set" says of those switches."""
-    import inspect
-    import re
-
-    from sglang.srt.distributed.parallel_state import GroupCoordinator
-    from sglang_sm120.planning import upstream
-
-    resolve = inspect.getsource(GroupCoordinator._resolve_outplace_all_reduce_method)
-    assert tuple(re.findall(r'return "(\w+)"', resolve)) == upstream.OUTPLACE_ALLREDUCE_ORDER
-    assert resolve.count("not should_use_pymscclpp_allreduce") == 2  # ahead of ca and pcie_ipc
-    body = inspect.getsource(GroupCoordinator.all_reduce)
-    eager = body[body.index("should_use_pymscclpp_allreduce = (") :]
-    symm = eager.index("self.is_symmetric_memory_enabled()")
-    assert symm < eager.index("self._can_use_flashinfer_allreduce(input_)")
-    assert symm < eager.index("self._resolve_outplace_all_reduce_method(")
-
-
-def test_the_nccl_variables_sglang_sets_for_its_flags_are_the_installed_sglangs():
-    """--enable-nccl-nvls and --enable-symm-mem set NCCL_NVLS_ENABLE (and symm-mem
-    NCCL_CUMEM_ENABLE); --pre-warm-nccl runs one all-reduce on the TP group."""
-    import inspect
-
-    from sglang.srt.distributed import bootstrap
-    from sglang.srt.entrypoints import engine
-
-    envs = inspect.getsource(engine._set_envs_and_config)
-    assert 'os.environ["NCCL_NVLS_ENABLE"] = str(' in envs
-    assert "int(cfg.enable_nccl_nvls or cfg.enable_symm_mem)" in envs
-    assert "int(cfg.enable_symm_mem or kv_shard_symmetric_scratch)" in envs
-    assert "dist.all_reduce(warmup_tensor, group=tp_group_handle)" in inspect.getsource(
-        bootstrap._prewarm_nccl
-    )
 
 
 def test_every_all_reduce_switch_levers_judge_is_an_sglang_flag():

@@ -44,7 +44,7 @@ from sglang_sm120.server.runtime import (
 from sglang_sm120.server.status import REGISTERED, ROLE_NAMES, capability_for
 from sglang_sm120.version import SGLANG_PIN, __version__
 
-_REGISTRY_CONTRACT = (
+REGISTRY_CONTRACT = (
     Symbol(
         "sglang.srt.plugins.hook_registry.HookRegistry.register",
         "function",
@@ -60,7 +60,7 @@ _REGISTRY_CONTRACT = (
 
 def declared_contract(modules) -> tuple[Symbol, ...]:
     """Every upstream symbol ``modules`` touch, plus the registry pieces the loader relies on."""
-    return tuple(s for m in modules for s in m.CONTRACT) + _REGISTRY_CONTRACT
+    return tuple(s for m in modules for s in m.CONTRACT) + REGISTRY_CONTRACT
 
 
 def _record(status: str, modules=None) -> None:
