@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 from kernel_library import expected_sm120_pcie_status, require_kernel_package
+from sglang_sm120.version import SGLANG_PIN
 
 KIMI = "KimiK25ForConditionalGeneration"
 SESSION_CACHE = tempfile.mkdtemp(prefix="sglang-sm120-test-cache-")
@@ -111,7 +112,7 @@ def test_doctor_json_without_gpu_exits_zero_and_says_so():
     assert report["entry_point_discovered"] is True
     assert report["contract_problems"] == []
     assert all(s.startswith("not needed (") for s in report["patches"].values())
-    assert report["versions"]["sglang"] == "0.5.23"
+    assert report["versions"]["sglang"] == SGLANG_PIN
     checks = {c["name"]: c for c in report["host_checks"]}
     assert list(checks) == [
         "iommu",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from importlib import metadata
 
 import pytest
 from sglang_sm120.server import plugin
@@ -10,8 +11,10 @@ from sglang_sm120.server.contract import Symbol, check, mismatch
 from sglang_sm120.server.patches import PATCHES, patch_name
 from sglang_sm120.server.runtime import PATCH_STATUS
 from sglang_sm120.server.upstream_tables import TABLES
+from sglang_sm120.version import __version__
 
 FULL_CONTRACT = plugin.declared_contract(PATCHES)
+INSTALLED = metadata.version("sglang")
 
 
 def test_installed_sglang_matches_every_declared_symbol():
@@ -96,14 +99,14 @@ def test_renamed_upstream_symbol_applies_nothing_and_logs_one_error(pcie_host, m
     refused = {n: s for n, s in statuses.items() if not s.startswith(("not needed", "not used in"))}
     assert set(refused) >= {"status_line", "workspace_preflight", "pcie_ipc_enable"}
     assert all(
-        s.startswith("refused (upstream contract mismatch with sglang 0.5.23:")
+        s.startswith(f"refused (upstream contract mismatch with sglang {INSTALLED}:")
         and workspace_preflight.TARGET in s
         for s in refused.values()
     )
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert (
         len(errors) == 1
-        and "0.5.23.1" in errors[0].message
+        and __version__ in errors[0].message
         and workspace_preflight.TARGET in errors[0].message
     )
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -133,7 +136,8 @@ def test_wrong_sglang_version_applies_nothing(pcie_host, monkeypatch):
     statuses = plugin.register_patches("scheduler")
     assert statuses["status_line"].startswith("refused (")
     assert all(
-        s == "refused (sglang 0.5.23 installed, sglang-sm120 0.5.23.1 supports 0.5.99 only)"
+        s == f"refused (sglang {INSTALLED} installed, sglang-sm120 {__version__} supports 0.5.99 "
+        "only)"
         for s in statuses.values()
         if not s.startswith(("not needed", "not used in"))
     )

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,12 @@ from sglang_sm120.planning.policy import Deployment, plan_allreduce
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 from sglang_sm120.server import plugin
 from sglang_sm120.server.runtime import PATCH_STATUS
+from sglang_sm120.version import SGLANG_PIN, __version__
 
 KIMI = "KimiK25ForConditionalGeneration"
 PROFILE = "rtx-pro-6000-x8-pcie"
 PREVIOUS_ENV = "SGLANG_SM120_PREVIOUS_SGLANG"
+INSTALLED = metadata.version("sglang")
 
 
 @pytest.fixture
@@ -77,8 +80,8 @@ def test_the_kill_switch_leaves_the_plan_to_upstream(pcie_host, monkeypatch):
 
 
 def test_another_sglang_version_leaves_the_plan_to_upstream(pcie_host, monkeypatch):
-    monkeypatch.setattr(plugin, "SGLANG_PIN", "0.5.99")  # as if 0.5.23 were another release
-    why = "sglang 0.5.23 installed, sglang-sm120 0.5.23.1 supports 0.5.99 only"
+    monkeypatch.setattr(plugin, "SGLANG_PIN", "0.5.99")  # as if the installed were another
+    why = f"sglang {INSTALLED} installed, sglang-sm120 {__version__} supports 0.5.99 only"
     assert_upstream_decides(*doctors_view(), why)
 
 
@@ -89,7 +92,7 @@ def test_a_contract_mismatch_leaves_the_plan_to_upstream(pcie_host, monkeypatch)
         return False
 
     monkeypatch.setattr(pcie_ipc_ar, "eligible_group", eligible_group)
-    assert_upstream_decides(*doctors_view(), "upstream contract mismatch with sglang 0.5.23")
+    assert_upstream_decides(*doctors_view(), f"upstream contract mismatch with sglang {INSTALLED}")
 
 
 def test_a_patch_target_that_does_not_import_leaves_the_plan_to_upstream(pcie_host, monkeypatch):
@@ -147,7 +150,7 @@ def test_doctor_on_a_real_previous_sglang_shows_upstream_decides(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert report["versions"]["sglang"] != "0.5.23", report["versions"]
+    assert report["versions"]["sglang"] != SGLANG_PIN, report["versions"]
     plan = report["plan"]
     assert plan["managed"] is False and plan["plain_allreduce"] == "upstream", plan
     assert plan["reasons"][0].startswith("upstream decides: sglang "), plan["reasons"]

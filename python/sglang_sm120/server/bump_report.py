@@ -13,6 +13,7 @@ Usage::
 
     python -m sglang_sm120.server.bump_report --against sglang-0.5.24-...whl
     python -m sglang_sm120.server.bump_report --against ~/src/sglang --json
+    python -m sglang_sm120.server.bump_report --out report.md --json-out report.json
     python -m sglang_sm120.server.bump_report          # the installed sglang
 
 Exit status: 0 when every symbol and table holds (the pin may still need its bump), 1 when
@@ -194,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="an sglang wheel, an unpacked tree or a source checkout (default: the installed one)",
     )
-    parser.add_argument("--json", action="store_true", help="the report as JSON")
-    parser.add_argument("--out", type=Path, help="also write the report to this file")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--out", type=Path, help="also write the Markdown report to this file")
+    parser.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     parser.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inspect_imported:
@@ -210,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     source = args.against.name if args.against is not None else "the installed sglang"
     report = summarize(found, source)
-    text = json.dumps(report, indent=1) if args.json else "\n".join(report_lines(report))
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    markdown, document = "\n".join(report_lines(report)), json.dumps(report, indent=1)
+    print(document if args.json else markdown)
+    for path, text in ((args.out, markdown), (args.json_out, document)):
+        if path is not None:
+            path.write_text(text + "\n")
     return 1 if report["moved"] else 0
 
 
