@@ -159,3 +159,23 @@ def test_zizmor_finds_nothing() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_upstream_canary_runs_weekly_and_by_hand_and_fails_naming_what_moved() -> None:
+    """Newest sglang with the pin relaxed: the bump report, the contract test and the CPU
+    tests; the report kept whatever happens; the verdict fails when any of them failed."""
+    workflow = _load(WORKFLOWS / "upstream-canary.yml")
+    assert set(workflow["on"]) == {"schedule", "workflow_dispatch"}
+    assert workflow["defaults"]["run"]["shell"] == "bash"  # -eo pipefail: tee keeps the failure
+    steps = workflow["jobs"]["canary"]["steps"]
+    runs = {s.get("id"): s.get("run", "") for s in steps if s.get("id")}
+    assert "python -m sglang_sm120.server.bump_report" in runs["report"]
+    assert "test/unit/test_contract.py" in runs["contract"] and "-n 2 -q test" in runs["cpu"]
+    assert all(next(s for s in steps if s.get("id") == i)["continue-on-error"] for i in runs)
+    scripts = " ".join(s.get("run", "") for s in steps)
+    assert 'pip install -q --upgrade "sglang' in scripts and "SGLANG_PIN = " in scripts
+    upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact@"))
+    assert upload.get("if") == "always()" and upload["with"]["path"] == ".out/"
+    verdict = steps[-1]
+    assert verdict.get("if") == "always()" and "::error title=upstream moved" in verdict["run"]
+    assert set(verdict["env"]) == {"REPORT", "CONTRACT", "CPU"}
