@@ -1,9 +1,11 @@
 """What sglang 0.5.23 itself decides that a plan must know, as data, so ``plan`` and a refused
 flag answer without importing SGLang (seconds instead of tens of seconds).
 
-Each table is a copy of the installed sglang's own; ``test/unit/test_contract.py`` proves each
-equals it, so an sglang upgrade fails a test, not a user. Inside SGLang's processes the plugin
-reads upstream's live tables (``server.runtime.fusion_archs``).
+Each table is a copy of the installed sglang's own; ``server.upstream_tables`` compares each
+with upstream's, run by ``test/unit/test_contract.py`` against the installed sglang and by the
+bump report (``server.bump_report``) against another release, so an sglang upgrade fails a test,
+not a user. Inside SGLang's processes the plugin reads upstream's live tables
+(``server.runtime.fusion_archs``).
 """
 
 from __future__ import annotations
