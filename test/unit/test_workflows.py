@@ -179,3 +179,41 @@ def test_the_upstream_canary_runs_weekly_and_by_hand_and_fails_naming_what_moved
     verdict = steps[-1]
     assert verdict.get("if") == "always()" and "::error title=upstream moved" in verdict["run"]
     assert set(verdict["env"]) == {"REPORT", "CONTRACT", "CPU"}
+
+
+TEMPLATES = ROOT / ".github" / "ISSUE_TEMPLATE"
+FORMS = sorted(p for p in TEMPLATES.glob("*.yml") if p.name != "config.yml")
+
+
+def _fields(path: Path) -> dict[str, dict[str, Any]]:
+    return {f["id"]: f for f in yaml.safe_load(path.read_text())["body"] if "id" in f}
+
+
+def test_the_bug_report_asks_for_doctor_json_and_a_selftest_on_a_gpu_box() -> None:
+    fields = _fields(TEMPLATES / "bug_report.yml")
+    assert "sglang-sm120 doctor --json" in fields["doctor"]["attributes"]["label"]
+    assert fields["doctor"]["validations"]["required"] is True
+    assert "selftest --json" in fields["selftest"]["attributes"]["label"]
+    assert fields["selftest"]["validations"]["required"] is False  # no GPU: nothing to run
+
+
+def test_my_numbers_asks_for_the_host_the_tune_table_and_bench_allreduce() -> None:
+    fields = _fields(TEMPLATES / "my_numbers.yml")
+    assert {"host", "doctor", "tune", "bench-allreduce"} <= set(fields)
+    assert "tune --tp N --json" in fields["tune"]["attributes"]["label"]
+    assert "bench_allreduce" in fields["bench-allreduce"]["attributes"]["label"]
+
+
+@pytest.mark.skipif(_tool("check-jsonschema") is None, reason="check-jsonschema not installed")
+def test_issue_forms_match_githubs_schema() -> None:
+    for schema, files in (
+        ("vendor.github-issue-forms", FORMS),
+        ("vendor.github-issue-config", [TEMPLATES / "config.yml"]),
+    ):
+        done = subprocess.run(
+            [_tool("check-jsonschema"), "--builtin-schema", schema, *map(str, files)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr

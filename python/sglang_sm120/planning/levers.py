@@ -4,9 +4,9 @@ plan use it, and what a user who sets it gets. ``doctor`` and ``plan`` print the
 
 Pure, like the policy: the rows come from the facts, the deployment, the plan and upstream's
 own conditions as ``planning.upstream`` states them (each proven equal to the installed sglang
-by ``server.upstream_tables``, which ``test/unit/test_contract.py`` runs). Nothing here imports SGLang or probes hardware; whether the
-``mscclpp`` package imports is a fact the caller passes (``None`` where it cannot know, as
-``plan`` for another machine).
+by ``server.upstream_tables``, which ``test/unit/test_contract.py`` runs). Nothing here
+imports SGLang or probes hardware; whether the ``mscclpp`` package imports is a fact the caller
+passes (``None`` where it cannot know, as ``plan`` for another machine).
 
 Example::
 
