@@ -101,5 +101,5 @@ def test_doctor_and_the_plugin_agree_that_an_off_value_leaves_the_plugin_on(raw)
 def test_doctor_says_the_kill_switch_is_on_only_when_the_patches_say_disabled():
     proc = run_cli("doctor", env={**NO_P2P, DISABLE: "yes"})
     assert proc.returncode == 0, proc.stderr
-    assert "kill switch SGLANG_SM120_DISABLE=1: the plan below is not applied" in proc.stdout
+    assert "kill switch SGLANG_SM120_DISABLE=1: the plugin applies nothing" in proc.stdout
     assert "disabled (SGLANG_SM120_DISABLE=1)" in proc.stdout
