@@ -107,7 +107,7 @@ def inspect_release(root: Path | None) -> dict[str, Any]:
         tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise ReportError(f"sglang does not import from {root or 'this environment'}: {tail}")
     found = json.loads(lines[-1].removeprefix(REPORT_PREFIX))
-    if root is not None and not Path(found["sglang_path"]).is_relative_to(root):
+    if root is not None and not Path(found["sglang_path"]).resolve().is_relative_to(root):
         raise ReportError(f"{found['sglang_path']} imported instead of the sglang under {root}")
     return found
 
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         with tempfile.TemporaryDirectory(prefix="sglang-sm120-bump-") as workdir:
-            root = None if args.against is None else sglang_root(args.against, Path(workdir))
+            against = None if args.against is None else args.against.resolve()
+            root = None if against is None else sglang_root(against, Path(workdir).resolve())
             found = inspect_release(root)
     except (ReportError, OSError, zipfile.BadZipFile, subprocess.TimeoutExpired) as exc:
         print(f"bump_report: {exc}", file=sys.stderr)
