@@ -27,6 +27,10 @@ from sglang_sm120.version import SGLANG_PIN, __version__
 KIMI = "KimiK25ForConditionalGeneration"
 PROFILE = "rtx-pro-6000-x8-pcie"
 PREVIOUS_ENV = "SGLANG_SM120_PREVIOUS_SGLANG"
+BOTH = {"launcher": "launcher", "TP worker": "scheduler"}
+# A worker-side symbol: the launcher checks only its own patches' contract and would apply
+# them (registering real hooks in this process), so these causes are judged by the worker.
+WORKER = {"TP worker": "scheduler"}
 INSTALLED = metadata.version("sglang")
 
 
@@ -46,18 +50,19 @@ def pcie_host(monkeypatch):
     PATCH_STATUS.clear()
 
 
-def doctors_view() -> tuple:
-    """The statuses a launcher and a TP worker record, merged as doctor merges them (each patch
-    as the process that uses it reports it), then doctor's plan and all-reduce options."""
-    by_role = [plugin.register_patches(role) for role in ("launcher", "scheduler")]
+def doctors_view(roles: dict[str, str]) -> tuple:
+    """The statuses each process of ``roles`` (doctor's name -> role) records, merged as doctor
+    merges them (each patch as the process that uses it reports it), then doctor's plan and
+    all-reduce options."""
+    by_process = {process: plugin.register_patches(role) for process, role in roles.items()}
     statuses = {}
-    for name in by_role[0]:
-        seen = [s[name] for s in by_role]
+    for name in next(iter(by_process.values())):
+        seen = [s[name] for s in by_process.values()]
         statuses[name] = next((s for s in seen if not s.startswith("not used in")), seen[0])
     facts, d = load_profile(PROFILE), Deployment(tp_size=8, model_arch=KIMI)
     plugin_plan = plan_allreduce(facts, d, FUSION_ARCHS)
     assert plugin_plan.managed and plugin_plan.plain_allreduce == "pcie_ipc"  # what it would do
-    plan = plan_in_force(plugin_plan, statuses)
+    plan = plan_in_force(plugin_plan, statuses, by_process)
     levers = {row.switch: row for row in allreduce_levers(facts, d, plan, FUSION_ARCHS, None)}
     return plan, levers
 
@@ -76,13 +81,13 @@ def assert_upstream_decides(plan, levers, why: str) -> None:
 
 def test_the_kill_switch_leaves_the_plan_to_upstream(pcie_host, monkeypatch):
     monkeypatch.setenv("SGLANG_SM120_DISABLE", "1")
-    assert_upstream_decides(*doctors_view(), "the kill switch SGLANG_SM120_DISABLE=1 is on")
+    assert_upstream_decides(*doctors_view(BOTH), "the kill switch SGLANG_SM120_DISABLE=1 is on")
 
 
 def test_another_sglang_version_leaves_the_plan_to_upstream(pcie_host, monkeypatch):
     monkeypatch.setattr(plugin, "SGLANG_PIN", "0.5.99")  # as if the installed were another
     why = f"sglang {INSTALLED} installed, sglang-sm120 {__version__} supports 0.5.99 only"
-    assert_upstream_decides(*doctors_view(), why)
+    assert_upstream_decides(*doctors_view(BOTH), why)
 
 
 def test_a_contract_mismatch_leaves_the_plan_to_upstream(pcie_host, monkeypatch):
@@ -92,7 +97,8 @@ def test_a_contract_mismatch_leaves_the_plan_to_upstream(pcie_host, monkeypatch)
         return False
 
     monkeypatch.setattr(pcie_ipc_ar, "eligible_group", eligible_group)
-    assert_upstream_decides(*doctors_view(), f"upstream contract mismatch with sglang {INSTALLED}")
+    plan, levers = doctors_view(WORKER)
+    assert_upstream_decides(plan, levers, f"upstream contract mismatch with sglang {INSTALLED}")
 
 
 def test_a_patch_target_that_does_not_import_leaves_the_plan_to_upstream(pcie_host, monkeypatch):
@@ -101,17 +107,41 @@ def test_a_patch_target_that_does_not_import_leaves_the_plan_to_upstream(pcie_ho
 
     monkeypatch.setitem(sys.modules, "sglang.srt.layers.flashinfer_comm_fusion", None)
     monkeypatch.delattr(sglang.srt.layers, "flashinfer_comm_fusion")
-    plan, levers = doctors_view()
+    plan, levers = doctors_view(WORKER)
     assert_upstream_decides(plan, levers, "sglang.srt.layers.flashinfer_comm_fusion")
     assert "not found (" in plan.reasons[0]
 
 
-def test_a_plan_with_an_applied_patch_stays_in_force():
+def test_a_plan_with_an_applied_patch_in_each_process_stays_in_force():
     facts, d = load_profile(PROFILE), Deployment(tp_size=8, model_arch=KIMI)
     plan = plan_allreduce(facts, d, FUSION_ARCHS)
-    statuses = {"status_line": "applied", "sm120_pcie_backend": "refused (no kernel library)"}
-    assert plan_in_force(plan, statuses) is plan
-    assert plan_in_force(plan, {"status_line": "not needed (no SM12x GPU)"}) is plan
+    launcher = {"status_line": "applied", "pcie_ipc_enable": "not used in the launcher"}
+    worker = {"status_line": "applied", "sm120_pcie_backend": "refused (no kernel library)"}
+    statuses = {**launcher, **worker}
+    assert plan_in_force(plan, statuses, {"launcher": launcher, "TP worker": worker}) is plan
+    idle = {"status_line": "not needed (no SM12x GPU)"}
+    assert plan_in_force(plan, idle, {"launcher": idle}) is plan
+
+
+def test_a_tp_worker_that_applies_nothing_takes_the_plan_out_of_force():
+    """The launcher checks only its own patches' symbols: where a worker-side one moved, the
+    launcher applies its part and the worker nothing, and no route of the plan runs."""
+    facts, d = load_profile(PROFILE), Deployment(tp_size=8, model_arch=KIMI)
+    plan = plan_allreduce(facts, d, FUSION_ARCHS)
+    launcher = {"status_line": "applied", "pcie_ipc_enable": "not used in the launcher"}
+    worker = {"status_line": "refused (upstream contract mismatch with sglang X: moved)"}
+    in_force = plan_in_force(
+        plan,
+        {**launcher, "pcie_ipc_enable": worker["status_line"]},
+        {
+            "launcher": launcher,
+            "TP worker": worker,
+        },
+    )
+    assert not in_force.managed
+    assert in_force.reasons == (
+        "upstream decides: upstream contract mismatch with sglang X: moved (in the TP worker)",
+    )
 
 
 def _previous_sglang(tmp_path: Path) -> Path:

@@ -51,11 +51,18 @@ def with_nccl_status(state: dict[str, Any], nccl_set: tuple, nccl_line: str) -> 
     return {**state, "patches": {**state["patches"], "nccl_tuned_env": status}}
 
 
-def plan_in_force(plan: AllReducePlan, patches: dict[str, str]) -> AllReducePlan:
+def plan_in_force(
+    plan: AllReducePlan, patches: dict[str, str], by_process: dict[str, dict[str, str]]
+) -> AllReducePlan:
     """The plan SGLang's processes follow: the plugin's, or, where the plugin applies nothing
-    (another sglang, a contract mismatch, the kill switch, a target that does not import),
-    upstream's own behaviour and why: what a user reads is what the server does."""
+    (another sglang, a contract mismatch, the kill switch, a target that does not import, the
+    plugin not loaded), upstream's own behaviour and why: what a user reads is what the server
+    does. Judged per process as well: each checks the contract of its own patches only, and a
+    TP worker that applies nothing carries no route of the plan, whatever the launcher did."""
     why = applies_nothing(patches)
+    for process, statuses in by_process.items():
+        if why is None and (alone := applies_nothing(statuses)) is not None:
+            why = f"{alone} (in the {process})"
     return plan if why is None else upstream_decides(why)
 
 
@@ -163,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
             checked = keep_state(key, state)
         else:
             state, checked = reused
-    plugin_plan, plan = plan, plan_in_force(plan, state["patches"])
+    plugin_plan = plan
+    plan = plan_in_force(plan, state["patches"], state["patches_by_process"])
     levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp)
     # what NCCL will see: the environment over its config files, one reader for both
     settings = nccl_settings(os.environ)
