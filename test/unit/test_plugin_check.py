@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sglang_sm120.commands import plugin_check
 from sglang_sm120.machine.facts import load_profile
 

@@ -372,9 +372,8 @@ def _read_cache() -> tuple[dict[str, Any], str | None]:
     try:
         path = printable(_cache_path())
         document = strict_json.read_json_file(_cache_path(), CACHE_MAX_BYTES)
-    except strict_json.JsonInputError as exc:
-        missing = "No such file or directory" in str(exc)  # read_json_file's own words
-        return {}, None if missing else f"{path} unreadable ({exc})"
+    except strict_json.JsonInputError as exc:  # nothing there (no directory yet) is no problem
+        return {}, f"{path} unreadable ({exc})" if _there(_cache_path()) else None
     except (OSError, ValueError, RecursionError, RuntimeError, KeyError) as exc:
         return {}, f"{path} unreadable ({type(exc).__name__}: {one_line(str(exc))})"
     try:
@@ -386,6 +385,14 @@ def _read_cache() -> tuple[dict[str, Any], str | None]:
     if version != CACHE_VERSION:
         return {}, None  # another version's file: rewritten in this one's format
     return entries, None
+
+
+def _there(path: Path) -> bool:
+    """Whether anything is at ``path`` (a cache directory below a file has nothing there)."""
+    try:
+        return os.path.lexists(path)
+    except (OSError, ValueError):
+        return False
 
 
 def kept_state(key: str) -> tuple[tuple[dict[str, Any], str] | None, str | None]:
