@@ -35,6 +35,7 @@ from sglang_sm120.machine.cache import (
 )
 from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.machine.nccl_conf import conf_files
+from sglang_sm120.strict_json import fields, require, require_list
 from sglang_sm120.version import SGLANG_PIN, __version__
 
 WORKER_TIMEOUT_S = 300
@@ -340,8 +341,6 @@ def _statuses(value: Any, where: str) -> dict[str, str]:
 def _entry(entry: Any, where: str) -> tuple[dict[str, Any], str]:
     """A kept entry checked field by field, as doctor prints and merges it; FieldError naming
     the field otherwise (a list where a JSON object is due, ``"no"`` for a boolean...)."""
-    from sglang_sm120.strict_json import fields, require, require_list
-
     entry = fields(entry, where, known=("checked_at", "state"))
     checked = _line(require(entry, "checked_at", str, where), f"{where}.checked_at")
     if not CHECKED_AT.fullmatch(checked):
@@ -428,9 +427,9 @@ def keep_state(key: str, state: dict[str, Any]) -> tuple[str, str | None]:
     tmp: Path | None = None
     try:
         path = _cache_path()
-        problem = relative_problem(path.parent)
-        if problem:
-            raise NotADirectoryError(0, problem)
+        relative = relative_problem(path.parent)
+        if relative:  # refused as every reader and writer of the cache refuses it
+            return checked, f"could not keep these checks ({_where(path.parent)}: {relative})"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}))
@@ -449,8 +448,9 @@ def _where_not_kept(exc: BaseException) -> str:
         directory = cache_dir()
     except (RuntimeError, KeyError):  # no home directory to put the default under
         return f"no cache directory: {one_line(str(exc))}; set {CACHE_ENV}"
-    try:
-        why = why_unusable(exc, directory) if isinstance(exc, OSError) else str(exc)
-    except OSError:  # is_file() of a name too long to look up
-        why = str(exc)
-    return f"{printable(cache_name(directory))}: {one_line(why)}"
+    why = why_unusable(exc, directory) if isinstance(exc, OSError) else str(exc)
+    return f"{_where(directory)}: {one_line(why)}"
+
+
+def _where(directory: Path) -> str:
+    return printable(cache_name(directory))
