@@ -224,6 +224,23 @@ def test_a_cache_directory_that_cannot_take_the_checks_is_one_line_not_a_crash(
     assert plugin_check.cached_state("k") is None
 
 
+@pytest.mark.parametrize(
+    "make", [r[1] for r in UNUSABLE_CACHE_DIRS], ids=[r[0] for r in UNUSABLE_CACHE_DIRS]
+)
+def test_the_kernel_image_scans_are_not_kept_there_either_and_nothing_raises(
+    tmp_path, monkeypatch, make
+):
+    """doctor's other file in the cache directory, kernel-images-v1.json, after its checks."""
+    from sglang_sm120.machine.kernel_images import ScanCache
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SGLANG_SM120_CACHE_DIR", make(tmp_path))
+    scans = ScanCache.load()
+    scans.entries["lib.so"], scans.changed = {"stamp": [1, 2]}, True
+    scans.save()
+    assert not (tmp_path / "cache").exists()
+
+
 def _entry(**changes) -> dict:
     """A kept entry with ``changes`` applied to its state (``checked_at``: to the entry)."""
     entry = {"checked_at": "2026-12-03T06:00:00", "state": copy.deepcopy(STATE)}
