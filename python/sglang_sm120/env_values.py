@@ -57,13 +57,23 @@ def switch_value(raw: str | None) -> bool | None:
     return None
 
 
+def ascii_digits(text: str) -> bool:
+    """Whether ``text`` is one or more ASCII digits 0-9, as NCCL, CUDA and SGLang read a number:
+    ``str.isdigit`` (and ``int``) also take other scripts' digits ('٨' is 8 to Python) and
+    superscripts, which no C reader of the same variable or file takes."""
+    return text.isascii() and text.isdigit()
+
+
 def number(
     name: str, raw: str, kind: type[int] | type[float], *, maximum: float, minimum: float = 0
 ) -> int | float:
     """``raw`` as a finite ``kind`` above ``minimum`` (an int: at least 1) and at most
-    ``maximum``; ValueError naming the variable, its value (``shown``) and the bound."""
+    ``maximum``; ValueError naming the variable, its value (``shown``) and the bound. ASCII
+    only: Python's ``int``/``float`` read other scripts' digits, a C reader does not."""
     what = "an integer" if kind is int else "a number"
     try:
+        if not raw.isascii():
+            raise ValueError("not ASCII")
         value = int(raw.strip(), 0) if kind is int else float(raw)
     except ValueError:  # also an int past Python's 4300 digits
         raise ValueError(f"{name}={shown(raw)} is not {what}") from None

@@ -53,6 +53,27 @@ ROWS = [
         {},
         "profile:rtx-5090-x2-nop2p has 2",
     ),
+    (
+        "pp-size of 30 digits",
+        ["plan", *PCIE8, "--tp", "8", "--pp-size", "9" * 30],
+        None,
+        {},
+        "--pp-size: 999999999999999999999999999999 is above 65536",
+    ),
+    (
+        "tp x pp above the GPUs",  # as --tp 16 is: 16 ranks on 8 GPUs
+        ["plan", *PCIE8, "--tp", "8", "--pp-size", "2"],
+        None,
+        {},
+        "--tp 8 x --pp-size 2 needs 16 GPUs; profile:rtx-pro-6000-x8-pcie has 8 (pass --nnodes",
+    ),
+    (
+        "tp of Arabic-Indic digits",
+        ["plan", *PCIE8, "--tp", "\u0668"],
+        None,
+        {},
+        "is not an integer",
+    ),
     ("hidden zero", ["plan", *PCIE8, "--tp", "8", "--hidden", "0"], None, {}, "--hidden: 0 is"),
     ("nnodes zero", ["plan", *PCIE8, "--tp", "8", "--nnodes", "0"], None, {}, "--nnodes: 0 is"),
     ("unknown profile", ["plan", "--profile", "dgx", "--tp", "2"], None, {}, "invalid choice"),
@@ -362,6 +383,13 @@ ROWS = [
         {},
         {"SGLANG_SM120_CACHE_DIR": "{file}"},
         "p2p: SGLANG_SM120_CACHE_DIR={file} is not writable (a file, not a directory)",
+    ),
+    (
+        "tune cache dir relative",  # each process would name another directory below its own
+        ["tune", "--tp", "2"],
+        None,
+        {"SGLANG_SM120_CACHE_DIR": "rel/cache"},
+        "tune: SGLANG_SM120_CACHE_DIR=rel/cache is not usable (a relative path",
     ),
     ("tune tp zero", ["tune", "--tp", "0"], None, {}, "--tp: 0 is not a positive integer"),
     ("tune tokens zero", ["tune", "--tp", "2", "--tokens", "0"], None, {}, "--tokens: 0 is"),
@@ -961,6 +989,23 @@ def test_kernel_tuning_variables_past_their_bound_are_refused(monkeypatch, name,
     assert line in str(refused.value) and len(str(refused.value)) < 200
 
 
+@pytest.mark.parametrize(
+    "name", ["SGLANG_SM120_MAX_BLOCKS", "SGLANG_SM120_BLOCK_BYTES", "SGLANG_SM120_TIMEOUT_MS"]
+)
+def test_kernel_variables_take_ascii_digits_only(monkeypatch, name):
+    """SGLANG_SM120_MAX_BLOCKS='٨' was read as 8: the kernel package's env_int, like every
+    reader of ours, takes ASCII digits only; doctor shows it refused."""
+    from sgl_kernel_sm120 import config
+    from sglang_sm120.server.env_report import variables_report
+
+    _no_ours(monkeypatch)
+    monkeypatch.setenv(name, EIGHT)
+    with pytest.raises(ValueError, match="is not an integer"):
+        config.env_int(name, maximum=1 << 40)
+    (row,) = [row for row in variables_report() if row["name"] == name]
+    assert row["status"].startswith("refused (") and "is not an integer" in row["status"], row
+
+
 def test_kernel_tuning_variables_at_their_bound_are_used(monkeypatch):
     from sgl_kernel_sm120 import config
 
@@ -990,6 +1035,21 @@ def _e2e_tp() -> tuple:
     return env_list("SGLANG_SM120_E2E_TP", TP_SIZES)
 
 
+def _e2e_tree() -> tuple:
+    from sglang_sm120.commands.e2e import env_list
+
+    return env_list("SGLANG_SM120_E2E_REAL_TREE", (3, 1, 4))
+
+
+def _e2e_parallel() -> int:
+    from sglang_sm120.server.env_report import E2E_PARALLEL
+
+    return E2E_PARALLEL.read()
+
+
+EIGHT = "\u0668"  # ARABIC-INDIC DIGIT EIGHT: str.isdigit() and int() take it, C readers do not
+
+
 SWITCH_AND_KNOB_ROWS = [
     ("SGLANG_SM120_KERNEL_REQUIRED", "true", _kernel_required, True, None),
     ("SGLANG_SM120_KERNEL_REQUIRED", " On ", _kernel_required, True, None),
@@ -1004,6 +1064,14 @@ SWITCH_AND_KNOB_ROWS = [
     ("SGLANG_SM120_E2E_TP", "2,x", _e2e_tp, (1, 2, 4, 8), "'x' is not an integer"),
     ("SGLANG_SM120_E2E_TP", "0", _e2e_tp, (1, 2, 4, 8), "'0' is not an integer in (0, 8]"),
     ("SGLANG_SM120_E2E_TP", "2, 4", _e2e_tp, (2, 4), None),
+    ("SGLANG_SM120_E2E_TP", ",,,", _e2e_tp, (1, 2, 4, 8), "',,,' has an empty item"),
+    ("SGLANG_SM120_E2E_TP", "2,,4", _e2e_tp, (1, 2, 4, 8), "has an empty item"),
+    ("SGLANG_SM120_E2E_REAL_TREE", "3,1", _e2e_tree, (3, 1, 4), "has 2 items, not 3 (steps"),
+    ("SGLANG_SM120_E2E_REAL_TREE", "5,1,6", _e2e_tree, (5, 1, 6), None),
+    ("SGLANG_SM120_E2E_TP", EIGHT, _e2e_tp, (1, 2, 4, 8), "is not an integer"),
+    ("SGLANG_SM120_E2E_STARTUP_S", EIGHT, _startup_s, 900.0, "is not a number"),
+    ("SGLANG_SM120_E2E_PARALLEL", EIGHT, _e2e_parallel, 4, "is not an integer"),
+    ("SGLANG_SM120_E2E_PARALLEL", "8", _e2e_parallel, 8, None),
 ]
 
 
@@ -1141,3 +1209,95 @@ def test_the_stats_patch_creates_its_directory_only_when_it_writes(monkeypatch, 
     assert not directory.exists()  # doctor's TP-worker rehearsal counts nothing, writes nothing
     graph_stats._stats.bump(graph_stats._stats.captures, "DECODE")
     assert (directory / f"sm120-stats-{os.getpid()}.json").is_file()
+
+
+# kind 7: values only SGLang's own spawners write, and digits of other scripts
+@pytest.mark.parametrize(
+    "value",
+    ["__main__:<module>", "sglang_sm120.commands.cli:main", "no colon", "a b:c", "m:<lambda>"],
+)
+def test_a_scheduler_entry_that_no_spawner_writes_is_ignored_with_one_warning(
+    monkeypatch, caplog, value
+):
+    """SGLANG_SM120_SCHEDULER_ENTRY='__main__:<module>' made every module-level frame of a
+    script (this test run's own ``__main__``) a TP worker's entry; doctor's own ``main`` too.
+    Such a value is refused with one warning naming the variable; roles stay upstream's."""
+    from sglang_sm120.server import runtime
+    from sglang_sm120.server.env_report import variables_report
+
+    _no_ours(monkeypatch)
+    monkeypatch.setattr(runtime, "_logged", set())
+    monkeypatch.setenv(runtime.SCHEDULER_ENTRY_ENV, value)
+    assert runtime.role_from_stack(sys._getframe()) is None
+    assert set(runtime._role_entries()) == {(m, q) for m, q, _ in runtime.ROLE_ENTRIES}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "SGLANG_SM120_SCHEDULER_ENTRY=" in warnings[0], warnings
+    (row,) = [row for row in variables_report() if row["name"] == runtime.SCHEDULER_ENTRY_ENV]
+    assert row["status"].startswith("refused ("), row
+
+
+def test_a_scheduler_entry_a_spawner_writes_is_taken(monkeypatch, caplog):
+    from sglang_sm120.server import runtime
+
+    monkeypatch.setattr(runtime, "_logged", set())
+    for value in ("my_fork.server:run_scheduler", "__main__:Runner.run.<locals>.child"):
+        monkeypatch.setenv(runtime.SCHEDULER_ENTRY_ENV, value)
+        module, _, qualname = value.partition(":")
+        assert runtime._role_entries()[(module, qualname)] == "scheduler"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("kind", [int, float])
+def test_numbers_take_ascii_digits_only(kind):
+    """``env_values.number`` (every numeric variable) and ``ascii_digits`` (the helper a
+    table field's reader can use): '٨' is not 8, as NCCL and SGLang read it."""
+    from sglang_sm120.env_values import ascii_digits, number
+
+    with pytest.raises(ValueError, match=r"is not an? (integer|number)"):
+        number("SGLANG_SM120_X", EIGHT, kind, maximum=100)
+    assert number("SGLANG_SM120_X", " 8 ", kind, maximum=100) == 8
+    assert [ascii_digits(t) for t in ("8", "16", EIGHT, "\u00b2", "", "8 ")] == [
+        True, True, False, False, False, False
+    ]  # fmt: skip
+
+
+def test_cuda_visible_devices_of_other_digits_is_a_uuid_prefix_not_an_index(monkeypatch):
+    """CUDA reads CUDA_VISIBLE_DEVICES='٠' as a UUID prefix (none matches), not as GPU 0."""
+    from sglang_sm120.machine.facts import visible_nvml_indices
+
+    class Nvml:
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return i
+
+        def nvmlDeviceGetUUID(self, handle):
+            return f"GPU-{handle}aaaa"
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "\u0660")
+    assert visible_nvml_indices(2, Nvml()) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert visible_nvml_indices(2, Nvml()) == [1, 0]
+
+
+def test_doctors_sglang_import_failing_for_a_home_that_is_a_file_is_one_line(tmp_path):
+    """HOME a regular file: torch makes its cache directory below it while SGLang imports and
+    raises NotADirectoryError. doctor's import of SGLang says so in one line with the cause
+    (one fresh interpreter: this one imported SGLang long ago)."""
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    code = (
+        "from sglang_sm120.commands.args import UsageError\n"
+        "from sglang_sm120.commands.plugin_check import import_sglang\n"
+        "try:\n    import_sglang()\nexcept UsageError as exc:\n    print('REFUSED', exc)\n"
+    )
+    proc = subprocess.run(  # only PATH and HOME: SGLang's import in this process set others
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)},
+        timeout=TIME_LIMIT_S,
+        preexec_fn=_limit_memory,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stdout.splitlines()
+    assert line.startswith("REFUSED sglang does not import (NotADirectoryError: "), line
+    assert str(home) in line, line

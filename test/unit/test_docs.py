@@ -234,3 +234,22 @@ def test_every_list_of_the_nccl_variables_that_keep_the_tuned_variant_off_is_the
     lists = {p.name: USER_NCCL_TUNING_LIST.findall(text) for p, text in pages.items()}
     assert {"commands.md", "routing.md", "configuration.md"} <= {n for n, f in lists.items() if f}
     assert {name: found for name, found in lists.items() if set(found) - {expected}} == {}
+
+
+KIMI_ARCH = "KimiK25ForConditionalGeneration"
+
+
+def test_the_readmes_plan_sample_is_what_plan_prints(capsys, monkeypatch):
+    """The README's `plan` sample is the command's output from the plan line on, all-reduce
+    options included (it once stopped before them); plan imports no SGLang: in-process."""
+    from sglang_sm120.commands.cli import main
+
+    for name in ("SGLANG_SM120_FUSION_BACKEND", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
+        monkeypatch.delenv(name, raising=False)
+    command = "plan --profile rtx-pro-6000-x8-pcie --tp 8 --model-arch " + KIMI_ARCH
+    assert f"sglang-sm120 {command}" in (ROOT / "README.md").read_text()
+    assert main(command.split()) == 0
+    printed = capsys.readouterr().out
+    sample = next(b for b in code_blocks((ROOT / "README.md").read_text()) if "plan for tp=8" in b)
+    assert "all-reduce options" in sample
+    assert printed[printed.index("plan for tp=8") :] == sample

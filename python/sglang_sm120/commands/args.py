@@ -10,7 +10,7 @@ import re
 from typing import NoReturn
 
 from sglang_sm120.machine.facts import HostFacts
-from sglang_sm120.machine.topology import MAX_NODES
+from sglang_sm120.machine.topology import MAX_GPUS, MAX_NODES, MAX_TP_SIZE
 from sglang_sm120.planning.policy import PLUGIN_BACKEND_CHOICES, PLUGIN_BACKEND_ENV, Deployment
 from sglang_sm120.planning.upstream import FLAG_CHOICES
 from sglang_sm120.version import SGLANG_PIN, __version__
@@ -39,12 +39,24 @@ class Parser(argparse.ArgumentParser):
 
 def positive_int(text: str) -> int:
     try:
+        if not text.isascii():  # int() reads other scripts' digits ('٨' is 8); SGLang does not
+            raise ValueError(text)
         value = int(text)
     except ValueError:  # also past Python's 4300 digits
         shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
         raise argparse.ArgumentTypeError(f"{shown} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def stage_count(text: str) -> int:
+    """--pp-size: 1..MAX_TP_SIZE (each stage has at least one rank)."""
+    value = positive_int(text)
+    if value > MAX_TP_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{value} is above {MAX_TP_SIZE}, the most ranks a deployment may have here"
+        )
     return value
 
 
@@ -125,7 +137,7 @@ def check_upstream_flags(args: argparse.Namespace) -> None:
 
 def compute_capability(text: str) -> tuple[int, int]:
     """'12.0' or '12' -> (12, 0)."""
-    match = re.fullmatch(r"(\d{1,2})(?:\.(\d))?", text.strip())
+    match = re.fullmatch(r"(\d{1,2})(?:\.(\d))?", text.strip(), re.ASCII)
     if not match or not 1 <= int(match[1]) <= 20:
         raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability such as 12.0")
     return int(match[1]), int(match[2] or 0)
@@ -141,12 +153,27 @@ def require_sglang() -> None:
         )
 
 
-def check_tp(facts: HostFacts, tp_size: int, nnodes: int) -> None:
-    """A tensor-parallel group cannot be larger than the GPUs it would run on."""
-    available = len(facts.gpus) * nnodes
-    if tp_size > available:
+def check_rank_count(tp_size: int, pp_size: int = 1) -> None:
+    """tp x pp ranks are at most MAX_TP_SIZE, what a deployment of the largest topology has
+    (so no plan lists more GPUs than any machine has, whether or not this one has a GPU)."""
+    if tp_size * pp_size > MAX_TP_SIZE:
+        shape = f"--tp {tp_size}" + (f" x --pp-size {pp_size}" if pp_size > 1 else "")
         raise UsageError(
-            f"--tp {tp_size} needs {tp_size} GPU{'s' if tp_size > 1 else ''}; "
+            f"{shape} = {tp_size * pp_size} ranks, above {MAX_TP_SIZE}: the most a deployment "
+            f"of {MAX_NODES} nodes of {MAX_GPUS} GPUs has"
+        )
+
+
+def check_tp(facts: HostFacts, tp_size: int, nnodes: int, pp_size: int = 1) -> None:
+    """A deployment's ranks (a TP group per PP stage) cannot be more than the GPUs they would
+    run on: ``--tp 8 --pp-size 2`` needs 16, as ``--tp 16`` does."""
+    check_rank_count(tp_size, pp_size)
+    ranks = tp_size * pp_size
+    available = len(facts.gpus) * nnodes
+    if ranks > available:
+        shape = f"--tp {tp_size}" + (f" x --pp-size {pp_size}" if pp_size > 1 else "")
+        raise UsageError(
+            f"{shape} needs {ranks} GPU{'s' if ranks > 1 else ''}; "
             f"{facts.source} has {len(facts.gpus)}"
             + (f" x {nnodes} nodes" if nnodes > 1 else "")
             + " (pass --nnodes for a multi-node deployment)"
@@ -173,7 +200,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, tp_required: bool) -> N
     )
     parser.add_argument(
         "--pp-size",
-        type=positive_int,
+        type=stage_count,
         default=1,
         help="as SGLang's --pp-size (default 1); with --nnodes, PP stages across nodes keep a "
         "TP group on one node",
@@ -251,6 +278,8 @@ def deployment_from_args(args: argparse.Namespace, tp_size: int) -> Deployment:
 def gpu_list(text: str) -> tuple[int, ...]:
     """'0,1,3' -> (0, 1, 3): distinct CUDA indices."""
     try:
+        if not text.isascii():
+            raise ValueError(text)
         gpus = tuple(int(t) for t in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of GPU indices") from None

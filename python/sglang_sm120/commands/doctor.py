@@ -14,6 +14,7 @@ from typing import Any
 from sglang_sm120.commands.allreduce_options import deployment_for, mscclpp_imports
 from sglang_sm120.commands.args import (
     add_deployment_args,
+    check_rank_count,
     check_tp,
     check_upstream_flags,
     compute_capability,
@@ -22,10 +23,10 @@ from sglang_sm120.commands.args import (
 from sglang_sm120.commands.plan import facts_lines, plan_for_args, plan_lines
 from sglang_sm120.commands.plugin_check import (
     WorkerCheck,
-    cached_state,
     check_key,
     import_sglang,
     keep_state,
+    kept_state,
     patch_lines,
     plugin_state,
 )
@@ -146,11 +147,15 @@ def run(args: argparse.Namespace) -> int:
     facts = current_facts()  # NVML or a topology: well under a second
     tp_size = args.tp or max(len(facts.gpus), 1)
     if facts.gpus:
-        check_tp(facts, tp_size, args.nnodes)
+        check_tp(facts, tp_size, args.nnodes, args.pp_size)
+    else:  # nothing to run on here, but a plan of more ranks than any machine has is refused
+        check_rank_count(tp_size, args.pp_size)
     require_sglang()
     check_upstream_flags(args)  # bad input is still one line, before any progress line
     key = check_key(facts)
-    reused = None if args.recheck else cached_state(key)
+    reused, unusable = (None, None) if args.recheck else kept_state(key)
+    if unusable is not None:  # a damaged or foreign cache: checked again, and said so
+        progress(f"kept patch checks not used: {unusable}; checking again")
     if reused is None:
         progress(f"{describe_source(facts)}; loading SGLang, as the launcher and a TP worker ...")
     else:
@@ -167,9 +172,9 @@ def run(args: argparse.Namespace) -> int:
         mscclpp = mscclpp_imports()
         if worker is not None:
             state = plugin_state(worker)
-            checked = keep_state(key, state)
+            checked, not_kept = keep_state(key, state)
         else:
-            state, checked = reused
+            (state, checked), not_kept = reused, None
     plugin_plan = plan
     plan = plan_in_force(plan, state["patches"], state["patches_by_process"])
     levers = allreduce_levers(facts, deployment, plan, FUSION_ARCHS, mscclpp)
@@ -195,7 +200,12 @@ def run(args: argparse.Namespace) -> int:
         "nccl_conf_unreadable": settings.unreadable,
         "nccl_env": {"tuned": dict(plan.nccl_env), "set": dict(nccl_set), "why": nccl_line},
         **state,
-        "plugin_check": {"reused": reused is not None, "checked_at": checked},
+        "plugin_check": {
+            "reused": reused is not None,
+            "checked_at": checked,
+            "not_kept": not_kept,
+            "kept_unusable": unusable,
+        },
         "kill_switch": plugin_disabled(),
         "validation_mode": validation_mode(),
         "variables": variables,
@@ -228,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
             f"  (checked {checked} in a launcher and a TP worker; nothing that decides them has "
             "changed since; `doctor --recheck` checks again)"
         )
+    if not_kept is not None:
+        lines.append(f"  ({not_kept}: the next doctor checks again)")
     problems = state["contract_problems"]
     lines.append("upstream contract: " + ("ok" if not problems else "MISMATCH"))
     lines += [f"  - {p}" for p in problems]

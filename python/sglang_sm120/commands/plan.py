@@ -80,7 +80,7 @@ def plan_lines(plan: AllReducePlan, tp_size: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     facts = load_profile(args.profile) if args.profile else load_topology(args.topology)
-    check_tp(facts, args.tp, args.nnodes)
+    check_tp(facts, args.tp, args.nnodes, args.pp_size)
     check_upstream_flags(args)
     plan = plan_for_args(facts, args, args.tp, archs=FUSION_ARCHS)  # no SGLang import: seconds
     # another machine: whether mscclpp imports there is unknown (None)

@@ -10,10 +10,12 @@ holds. ``doctor --recheck`` runs both again; a worker check that could not run i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,8 +25,17 @@ from typing import Any
 
 from sglang_sm120 import strict_json
 from sglang_sm120.commands.args import UsageError, one_line
-from sglang_sm120.machine.cache import cache_dir
+from sglang_sm120.env_values import printable
+from sglang_sm120.machine.cache import (
+    CACHE_ENV,
+    cache_dir,
+    cache_name,
+    relative_problem,
+    why_unusable,
+)
 from sglang_sm120.machine.facts import HostFacts
+from sglang_sm120.machine.nccl_conf import conf_files
+from sglang_sm120.strict_json import fields, require, require_list
 from sglang_sm120.version import SGLANG_PIN, __version__
 
 WORKER_TIMEOUT_S = 300
@@ -101,6 +112,12 @@ def import_sglang() -> None:
         raise UsageError(
             f"sglang does not import ({one_line(str(exc))}); sglang-sm120 {__version__} needs "
             f"sglang=={SGLANG_PIN} and its dependencies (pip install sglang=={SGLANG_PIN})"
+        ) from None
+    except Exception as exc:  # e.g. HOME a file: torch's cache directory, NotADirectoryError
+        cause = one_line(f"{type(exc).__name__}: {exc}")[:500]
+        raise UsageError(
+            f"sglang does not import ({cause}); the environment it imports in is the cause "
+            "(HOME, a cache directory), not the install"
         ) from None
 
 
@@ -199,6 +216,8 @@ SHELL_NOISE = frozenset(
      "LESSOPEN", "LESSCLOSE", "HISTFILE", "HISTSIZE", "HISTCONTROL"}
 )  # fmt: skip
 SHELL_NOISE_PREFIXES = ("SSH_", "XDG_", "TERM_", "VSCODE_", "KITTY_", "ITERM_")
+CONTENT_MAX_BYTES = 4 << 20  # NCCL reads a config file whole; past this, its stat stands in
+KERNEL_LIBRARY_ENV = "SGLANG_SM120_KERNEL_LIBRARY"
 
 
 def _source_stamp(package: str) -> str:
@@ -251,10 +270,37 @@ def _plugin_packages() -> list[str]:
     return sorted(names - set(SOURCE_PACKAGES))
 
 
+def _content_stamp(path: str | os.PathLike[str]) -> str:
+    """A digest of the content of file ``path`` (a config file NCCL reads whole), read within
+    bounds; one that cannot be (absent, a FIFO, too large) by why, its size, mtime and inode."""
+    try:
+        return hashlib.sha256(strict_json.read_regular_file(path, CONTENT_MAX_BYTES)).hexdigest()
+    except (strict_json.UnreadableFile, ValueError) as exc:
+        try:
+            info = os.stat(path)
+            stamp = f"{info.st_size}:{info.st_mtime_ns}:{info.st_ino}"
+        except (OSError, ValueError):
+            stamp = "-"
+        return f"unread ({exc}) {stamp}"
+
+
+def _read_files(environ: dict[str, str]) -> dict[str, str]:
+    """The files besides the sources whose content decides a status: NCCL's config files
+    (the TP worker's ``nccl_tuned_env`` keeps off what the user set in them) and the kernel
+    library ``SGLANG_SM120_KERNEL_LIBRARY`` names (outside every package's directory)."""
+    try:
+        paths = [str(path) for path in conf_files(environ)]
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:  # no home directory to look in
+        paths = [f"(no NCCL config files: {type(exc).__name__})"]
+    library = environ.get(KERNEL_LIBRARY_ENV)
+    return {path: _content_stamp(path) for path in [*paths, *([library] if library else [])]}
+
+
 def check_key(facts: HostFacts, environ: dict[str, str] | None = None) -> str:
     """Everything that decides what the launcher and a TP worker apply: the interpreter and its
     path, the source of SGLang, of both our packages and of every other SGLang plugin, every
-    installed version, this host's facts and every environment variable but a shell's own."""
+    installed version, this host's facts, every environment variable but a shell's own, and
+    the content of the files those variables name (``_read_files``)."""
     environ = dict(os.environ if environ is None else environ)
     packages = [*SOURCE_PACKAGES, *_plugin_packages()]
     document = {
@@ -262,6 +308,7 @@ def check_key(facts: HostFacts, environ: dict[str, str] | None = None) -> str:
         "python": [sys.executable, sys.version],
         "path": _path_stamps(),
         "sources": {name: _source_stamp(name) for name in packages},
+        "files": _read_files(environ),
         "facts": facts.to_json(),
         "env": {
             k: v
@@ -276,46 +323,143 @@ def _cache_path() -> Path:
     return cache_dir() / CACHE_FILE
 
 
-def _read_cache() -> dict[str, Any]:
-    try:
-        document = strict_json.read_json_file(_cache_path(), CACHE_MAX_BYTES)
-    except (OSError, ValueError, RecursionError):
-        return {}
-    entries = document.get("entries") if isinstance(document, dict) else None
-    if not isinstance(entries, dict) or document.get("version") != CACHE_VERSION:
-        return {}
-    return entries
+CHECKED_AT = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", re.ASCII)  # as keep_state writes
+MAX_SHOWN_CHARS = 2000  # a status, a contract problem: one line of a report, not a document
+STATE_KEYS = ("entry_point_discovered", "patches", "patches_by_process", "contract_problems")
 
 
-def cached_state(key: str) -> tuple[dict[str, Any], str] | None:
-    """(the state kept under ``key``, when it was checked), or None."""
-    entry = _read_cache().get(key)
-    if not isinstance(entry, dict):
-        return None
-    state, checked = entry.get("state"), entry.get("checked_at")
-    expected = {"entry_point_discovered", "patches", "patches_by_process", "contract_problems"}
-    if not isinstance(state, dict) or set(state) != expected or not isinstance(checked, str):
-        return None
+def _line(value: Any, where: str) -> str:
+    """A string doctor prints as is: at most MAX_SHOWN_CHARS, no control characters."""
+    text = strict_json.check_value(value, str, where, limit=MAX_SHOWN_CHARS)
+    if not text.isprintable():
+        raise strict_json.FieldError(f"{where} holds control characters: {strict_json.shown(text)}")
+    return text
+
+
+def _statuses(value: Any, where: str) -> dict[str, str]:
+    """A non-empty JSON object of patch name -> status (each a printable line)."""
+    statuses = strict_json.fields(value, where)
+    if not statuses:
+        raise strict_json.FieldError(f"{where} is empty (every check reports each patch)")
+    for name, status in statuses.items():
+        _line(name, f"{where} key")
+        _line(status, strict_json.field_path(where, name))
+    return statuses
+
+
+def _entry(entry: Any, where: str) -> tuple[dict[str, Any], str]:
+    """A kept entry checked field by field, as doctor prints and merges it; FieldError naming
+    the field otherwise (a list where a JSON object is due, ``"no"`` for a boolean...)."""
+    entry = fields(entry, where, known=("checked_at", "state"))
+    checked = _line(require(entry, "checked_at", str, where), f"{where}.checked_at")
+    if not CHECKED_AT.fullmatch(checked):
+        raise strict_json.FieldError(
+            f"{where}.checked_at must be a time such as 2026-12-03T06:00:00, "
+            f"got {strict_json.shown(checked)}"
+        )
+    at = f"{where}.state"
+    state = fields(require(entry, "state", dict, where), at, known=STATE_KEYS)
+    require(state, "entry_point_discovered", bool, at)
+    _statuses(require(state, "patches", dict, at), f"{at}.patches")
+    by_process = require(state, "patches_by_process", dict, at)
+    if not by_process:
+        raise strict_json.FieldError(f"{at}.patches_by_process is empty")
+    for process, statuses in by_process.items():
+        where_process = strict_json.field_path(f"{at}.patches_by_process", _line(process, at))
+        _statuses(statuses, where_process)
+    problems = require_list(state, "contract_problems", str, at, max_items=1000)
+    for i, problem in enumerate(problems):
+        _line(problem, f"{at}.contract_problems[{i}]")
     return state, checked
 
 
-def keep_state(key: str, state: dict[str, Any]) -> str:
-    """Keep ``state`` under ``key`` (the newest CACHE_ENTRIES keys); returns when it was
-    checked. Creates the cache directory; a cache that cannot be written costs only the next
-    doctor's time."""
+def _read_cache() -> tuple[dict[str, Any], str | None]:
+    """(the kept entries, why the file could not be used or None). A missing file is no
+    problem: nothing was kept yet."""
+    path = "the cache file"
+    try:
+        path = printable(_cache_path())
+        document = strict_json.read_json_file(_cache_path(), CACHE_MAX_BYTES)
+    except strict_json.JsonInputError as exc:  # nothing there (no directory yet) is no problem
+        return {}, f"{path} unreadable ({exc})" if _there(_cache_path()) else None
+    except (OSError, ValueError, RecursionError, RuntimeError, KeyError) as exc:
+        return {}, f"{path} unreadable ({type(exc).__name__}: {one_line(str(exc))})"
+    try:
+        document = strict_json.fields(document, "", known=("version", "entries"))
+        version = strict_json.require(document, "version", int)
+        entries = strict_json.require(document, "entries", dict)
+    except strict_json.FieldError as exc:
+        return {}, f"{path} unusable ({exc})"
+    if version != CACHE_VERSION:
+        return {}, None  # another version's file: rewritten in this one's format
+    return entries, None
+
+
+def _there(path: Path) -> bool:
+    """Whether anything is at ``path`` (a cache directory below a file has nothing there)."""
+    try:
+        return os.path.lexists(path)
+    except (OSError, ValueError):
+        return False
+
+
+def kept_state(key: str) -> tuple[tuple[dict[str, Any], str] | None, str | None]:
+    """((the state kept under ``key``, when it was checked) or None, why what was kept could
+    not be used or None). Every field is checked before doctor prints or merges it: a bad
+    entry, or a file that is not the cache's, means "check again", never a traceback."""
+    entries, problem = _read_cache()
+    if key not in entries:
+        return None, problem
+    try:
+        return _entry(entries[key], "entry"), None
+    except (strict_json.JsonInputError, RecursionError) as exc:
+        return None, f"{printable(_cache_path())}: its entry for this check is unusable ({exc})"
+
+
+def cached_state(key: str) -> tuple[dict[str, Any], str] | None:
+    """(the state kept under ``key``, when it was checked), or None (``kept_state``)."""
+    return kept_state(key)[0]
+
+
+def keep_state(key: str, state: dict[str, Any]) -> tuple[str, str | None]:
+    """Keep ``state`` under ``key`` (the newest CACHE_ENTRIES keys); returns (when it was
+    checked, why it could not be kept or None). Creates the cache directory. Never raises: a
+    cache that cannot be written (a file, below a file, /dev/null, a FIFO, a loop of links,
+    a name too long) costs only the next doctor's time, and doctor says so in one line."""
     checked = time.strftime("%Y-%m-%dT%H:%M:%S")
     if check_failed(state):
-        return checked
-    entries = _read_cache()
+        return checked, None
+    entries, _ = _read_cache()
     entries.pop(key, None)
     entries[key] = {"checked_at": checked, "state": state}
     entries = dict(list(entries.items())[-CACHE_ENTRIES:])
-    path = _cache_path()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp: Path | None = None
     try:
+        path = _cache_path()
+        relative = relative_problem(path.parent)
+        if relative:  # refused as every reader and writer of the cache refuses it
+            return checked, f"could not keep these checks ({_where(path.parent)}: {relative})"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}))
         tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-    return checked
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError, ValueError):
+                tmp.unlink(missing_ok=True)
+        return checked, f"could not keep these checks ({_where_not_kept(exc)})"
+    return checked, None
+
+
+def _where_not_kept(exc: BaseException) -> str:
+    """The cache directory and why it took nothing, in one line."""
+    try:
+        directory = cache_dir()
+    except (RuntimeError, KeyError):  # no home directory to put the default under
+        return f"no cache directory: {one_line(str(exc))}; set {CACHE_ENV}"
+    why = why_unusable(exc, directory) if isinstance(exc, OSError) else str(exc)
+    return f"{_where(directory)}: {one_line(why)}"
+
+
+def _where(directory: Path) -> str:
+    return printable(cache_name(directory))

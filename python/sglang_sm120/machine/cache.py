@@ -4,7 +4,7 @@ the host fingerprint that names them.
 A document measured on one host is valid on another only when the fingerprint matches: the same
 GPUs and links, driver and package versions (not the GPUs' indices). ``SGLANG_SM120_CACHE_DIR``
 moves the directory (default ``~/.cache/sglang-sm120``); a directory that cannot be listed or
-written is named, with the reason, instead of raising.
+written, or a relative path, is named, with the reason, instead of raising.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,17 @@ def fingerprint_id(fingerprint: dict[str, Any]) -> str:
 
 
 def cache_dir() -> Path:
+    """The cache directory as named; a relative one is named too, and refused by every reader
+    and writer (``relative_problem``)."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sglang-sm120")
+
+
+def relative_problem(directory: Path) -> str | None:
+    """Why a relative cache directory is refused: each process (a scheduler, a later doctor)
+    would read and write a different directory below its own working directory."""
+    if directory.is_absolute():
+        return None
+    return "a relative path, which names another directory in each working directory"
 
 
 def cache_name(directory: Path) -> str:
@@ -56,14 +67,23 @@ def cache_name(directory: Path) -> str:
 def why_unusable(exc: OSError, directory: Path) -> str:
     """An OSError about the cache directory in a user's words: a path naming a regular file
     says so (mkdir calls that "File exists", listdir "Not a directory")."""
-    if isinstance(exc, (FileExistsError, NotADirectoryError)) and directory.is_file():
-        return "a file, not a directory"
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        try:
+            mode = os.stat(directory).st_mode
+        except (OSError, ValueError):
+            mode = None
+        if mode is not None and not stat.S_ISDIR(mode):  # /dev/null, a FIFO: not a directory
+            kinds = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFSOCK: "a socket"}
+            return f"{kinds.get(stat.S_IFMT(mode), 'a file')}, not a directory"
     return exc.strerror or str(exc)
 
 
 def list_cache(directory: Path) -> tuple[list[str] | None, str | None]:
     """(the names in the cache directory, or None where it does not exist yet: tune creates
     it; why it cannot be listed, or None)."""
+    relative = relative_problem(directory)
+    if relative:
+        return None, f"{cache_name(directory)} unusable ({relative}; set an absolute path)"
     try:
         return os.listdir(directory), None
     except FileNotFoundError:
@@ -82,6 +102,12 @@ def cache_write_problem() -> str | None:
     """Why ``save_table`` could not write into the cache directory (not a directory, no
     permission), or None: asked before ``tune`` measures, not after."""
     directory = cache_dir()
+    relative = relative_problem(directory)
+    if relative:
+        return (
+            f"{cache_name(directory)} is not usable ({relative}); "
+            f"set {CACHE_ENV} to an absolute path"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):

@@ -27,7 +27,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from sglang_sm120.env_values import printable, shown
+from sglang_sm120.env_values import ascii_digits, printable, shown
 from sglang_sm120.machine.topology import TopologyError, check_topology
 from sglang_sm120.strict_json import read_json_file, read_regular_file
 
@@ -219,7 +219,7 @@ def visible_nvml_indices(count: int, nvml: Any) -> list[int]:
     for token in (t.strip() for t in visible.split(",")):
         if not token:
             break
-        if token.isdigit():
+        if ascii_digits(token):  # as CUDA reads it: '٨' is a UUID prefix, not GPU 8
             if int(token) >= count:
                 break
             chosen.append(int(token))

@@ -29,6 +29,7 @@ Format notes (learned from public fatbin parsers and checked against `cuobjdump 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import mmap
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_sm120.machine.cache import cache_dir
+from sglang_sm120.machine.cache import cache_dir, relative_problem
 from sglang_sm120.strict_json import read_json_file
 
 FATBIN_MAGIC = 0xBA55ED50
@@ -621,6 +622,8 @@ class ScanCache:
     def load(cls) -> ScanCache:
         path = cache_dir() / f"kernel-images-v{cls.VERSION}.json"
         try:
+            if relative_problem(path.parent):  # refused, as every reader of the cache does
+                raise ValueError(relative_problem(path.parent))
             document = read_json_file(path, cls.MAX_BYTES)
             entries = document["libraries"] if document.get("version") == cls.VERSION else {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -647,15 +650,20 @@ class ScanCache:
         return image
 
     def save(self) -> None:
-        if not self.changed or not self.path.parent.is_dir():
+        """Never raises: a directory that is a file, /dev/null, a loop of links or a name too
+        long is only a scan the next doctor does again."""
+        if not self.changed or relative_problem(self.path.parent):
             return
         document = {"version": self.VERSION, "libraries": self.entries}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
+            if not self.path.parent.is_dir():
+                return
             tmp.write_text(json.dumps(document))
             tmp.replace(self.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):
+                tmp.unlink(missing_ok=True)
 
 
 def _image_to_json(image: KernelImage) -> dict[str, Any]:

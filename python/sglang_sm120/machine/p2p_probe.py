@@ -45,6 +45,7 @@ from sglang_sm120.machine.cache import (
     cache_read_problem,
     fingerprint_id,
     host_fingerprint,
+    relative_problem,
 )
 from sglang_sm120.machine.facts import HostFacts
 from sglang_sm120.machine.host_checks import P2PSummary
@@ -189,6 +190,8 @@ def _read_probe(facts: HostFacts, gpus: Sequence[int]) -> tuple[P2PSummary | Non
     path: Path | str = "the cache directory"
     try:
         path = probe_path(fingerprint, gpus)  # cache_dir() needs a home directory by default
+        if relative_problem(path.parent):  # not a file below whichever directory this is
+            return None, f"no p2p probe ({cache_read_problem()})"
         if not (path.is_file() or os.path.lexists(path)):  # a FIFO, a link: read_json_file says
             unreadable = cache_read_problem()
             where = f" ({unreadable})" if unreadable else ""

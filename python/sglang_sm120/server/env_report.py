@@ -63,19 +63,26 @@ NUMBER_KNOBS = (E2E_STARTUP_S, E2E_MIN_ACCEPT, E2E_PARALLEL)
 
 @dataclass(frozen=True)
 class ListKnob:
-    """A comma list of integers of the e2e suite (TP sizes, the tree): each 1..``maximum``;
-    unset, empty or refused (one warning) -> ``default``."""
+    """A comma list of integers of the e2e suite (TP sizes, the tree): each 1..``maximum``,
+    exactly ``length`` of them where the list has a fixed shape (the tree's steps, topk, draft
+    tokens); unset, empty or refused (one warning) -> ``default``. An empty item (``',,,'``,
+    ``'2,,4'``) is refused, not skipped: a list of nothing is not a choice."""
 
     name: str
     default: tuple[int, ...]
     maximum: int
+    length: int | None = None
+    items: str = "items"  # what the ``length`` items are, for the refusal
 
     def parse(self, raw: str) -> tuple[int, ...]:
-        return tuple(
-            int(number(self.name, item, int, maximum=self.maximum))
-            for item in raw.split(",")
-            if item.strip()
-        )
+        parts = raw.split(",")
+        if any(not part.strip() for part in parts):
+            raise ValueError(f"{self.name}={shown(raw)} has an empty item (write 1,2,4)")
+        if self.length is not None and len(parts) != self.length:
+            raise ValueError(
+                f"{self.name}={shown(raw)} has {len(parts)} items, not {self.length} ({self.items})"
+            )
+        return tuple(int(number(self.name, part, int, maximum=self.maximum)) for part in parts)
 
     def read(self) -> tuple[int, ...]:
         raw = os.environ.get(self.name, "")
@@ -96,7 +103,9 @@ class ListKnob:
 
 E2E_TP = ListKnob("SGLANG_SM120_E2E_TP", (1, 2, 4, 8), 8)
 E2E_REAL_TP = ListKnob("SGLANG_SM120_E2E_REAL_TP", (), 8)
-E2E_REAL_TREE = ListKnob("SGLANG_SM120_E2E_REAL_TREE", (3, 1, 4), 64)
+E2E_REAL_TREE = ListKnob(
+    "SGLANG_SM120_E2E_REAL_TREE", (3, 1, 4), 64, length=3, items="steps,topk,draft tokens"
+)
 LIST_KNOBS = (E2E_TP, E2E_REAL_TP, E2E_REAL_TREE)
 
 
@@ -145,6 +154,13 @@ def stats_dir_problem(raw: str) -> str | None:
 def _stats_dir(raw: str) -> Reading:
     problem = stats_dir_problem(raw)
     return problem, "graph_stats off" if problem else f"graph_stats writes into {raw}"
+
+
+def _scheduler_entry(raw: str) -> Reading:
+    problem = runtime.scheduler_entry_problem(raw)
+    if problem is not None:
+        return problem, "SGLang's own entry functions decide the process roles"
+    return None, "internal: set by an Engine or DP controller"
 
 
 def _plain(what: str) -> Callable[[str], Reading]:
@@ -212,7 +228,7 @@ READERS: dict[str, Callable[[str], Reading]] = {
     STATS_ENV: _stats_dir,
     SYSFS_ROOT_ENV: lambda raw: (None, printable(raw)),
     runtime.LAUNCH_PLAN_ENV: _plain("internal: a launcher drops an inherited plan"),
-    runtime.SCHEDULER_ENTRY_ENV: _plain("internal: set by an Engine or DP controller"),
+    runtime.SCHEDULER_ENTRY_ENV: _scheduler_entry,
     **{
         name: _kernel_int(
             name, bound, "60000 in a server" if bound == "MAX_TIMEOUT_MS" else _NO_WORKSPACE

@@ -119,11 +119,39 @@ def _module_name(name: str | None) -> str | None:
     return "__main__" if name == "__mp_main__" else name
 
 
+def _dotted(name: str, inner: tuple[str, ...] = ()) -> bool:
+    parts = name.split(".")
+    return all(p.isidentifier() or p in inner for p in parts) and parts[-1].isidentifier()
+
+
+def scheduler_entry_problem(raw: str) -> str | None:
+    """Why ``raw`` cannot be the scheduler function a spawner named (``name_scheduler_entry``
+    writes ``module:qualname`` of a function), or None. Refused: anything but a module and a
+    function's qualified name (``__main__:<module>`` is every module-level call of a script),
+    and a function of this package (``sglang_sm120.commands.cli:main`` is doctor itself)."""
+    module, _, qualname = raw.partition(":")
+    if not (_dotted(module) and _dotted(qualname, inner=("<locals>",))):
+        return "not a scheduler function's module:qualname, e.g. my_fork.server:run_scheduler"
+    if module.split(".")[0] == "sglang_sm120":
+        return "a function of sglang-sm120, which is never a scheduler's entry"
+    return None
+
+
 def _role_entries() -> dict[tuple[str | None, str], str]:
     entries = {(module, name): role for module, name, role in ROLE_ENTRIES}
-    module, _, qualname = os.environ.get(SCHEDULER_ENTRY_ENV, "").partition(":")
-    if module and qualname:
-        entries.setdefault((_module_name(module), qualname), "scheduler")
+    raw = os.environ.get(SCHEDULER_ENTRY_ENV, "")
+    if not raw:
+        return entries
+    problem = scheduler_entry_problem(raw)
+    if problem is not None:
+        log_once(
+            logging.WARNING,
+            f"sglang-sm120: {SCHEDULER_ENTRY_ENV}={shown(raw)} ignored ({problem}): "
+            "process roles are decided from SGLang's own entry functions",
+        )
+        return entries
+    module, _, qualname = raw.partition(":")
+    entries.setdefault((_module_name(module), qualname), "scheduler")
     return entries
 
 

@@ -75,6 +75,8 @@ def env_int(name: str, maximum: int | None = None) -> int | None:
     if raw is None:
         return None
     try:
+        if not raw.isascii():  # int() reads other scripts' digits ('٨' is 8); C readers do not
+            raise ValueError(raw)
         value = int(raw, 0)
     except ValueError:  # also past Python's 4300 digits
         raise ValueError(f"${name}={raw[:40]!r} is not an integer") from None
