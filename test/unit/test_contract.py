@@ -37,6 +37,22 @@ def test_missing_symbol_is_named():
     )
 
 
+def test_parameters_hidden_behind_a_wrapper_are_named_as_hidden(monkeypatch):
+    """sglang 0.5.22's custom ops take (*args, **kwargs): the report says the wrapper hides the
+    parameters (still a mismatch: nothing checks them), not that they changed."""
+    import sglang.srt.layers.flashinfer_comm_fusion as module
+
+    monkeypatch.setattr(module, "_resolve_backend", lambda *args, **kwargs: None)
+    problem = mismatch(
+        Symbol(
+            "sglang.srt.layers.flashinfer_comm_fusion._resolve_backend",
+            "function",
+            params=("backend", "is_multi_node"),
+        )
+    )
+    assert "found a function taking only ('args', 'kwargs'), which hides them" in problem
+
+
 def test_changed_signature_is_named():
     problem = mismatch(
         Symbol(

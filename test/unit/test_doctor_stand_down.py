@@ -156,8 +156,8 @@ def _previous_sglang(tmp_path: Path) -> Path:
         with zipfile.ZipFile(path) as wheel:
             wheel.extractall(tmp_path / "sglang-previous")
         path = tmp_path / "sglang-previous"
-    if not (path / "sglang" / "__init__.py").is_file():
-        pytest.skip(f"{PREVIOUS_ENV}={given} holds no sglang package")
+    if not (path / "sglang" / "__init__.py").is_file():  # named, but wrong: fail, never skip
+        pytest.fail(f"{PREVIOUS_ENV}={given} holds no sglang package")
     return path
 
 

@@ -228,6 +228,20 @@ def test_deterministic_inference_keeps_sglangs_own_nccl_settings():
     assert env == () and "SGLang pins NCCL_ALGO" in reason
 
 
+@pytest.mark.parametrize(
+    ("deployment", "said"),
+    [
+        ({"attention_dp": True}, "--enable-dp-attention"),
+        ({"moe_a2a_backend": "deepep"}, "--moe-a2a-backend deepep"),
+    ],
+)
+def test_a_variant_tune_timed_on_the_tp_group_only_is_not_set_for_other_groups(deployment, said):
+    """`allreduce:LL` reaches every all-reduce of the worker: with attention-DP or a MoE
+    all-to-all backend those run on groups of another size that tune never timed."""
+    env, reason = tuned({LL: (5.0, 10.0)}, **deployment)
+    assert env == () and said in reason
+
+
 def test_a_version_2_table_applies_none_of_its_nccl_variants():
     """A version-2 table predates tune's NCCL variants (docs/routing.md): whatever variants it
     carries, the plan sets none and says why."""
@@ -274,6 +288,7 @@ PLAN_WITH_LL = AllReducePlan(
         ({"NCCL_MIN_NCHANNELS": "8"}, (), "the user's NCCL_MIN_NCHANNELS='8' wins"),
         ({"NCCL_P2P_LEVEL": "SYS"}, SCOPED_LL, "NCCL_PROTO=allreduce:LL set"),  # not weighed
         ({"NCCL_TUNER_PLUGIN": "libnccl-tuner.so"}, (), "the user's NCCL_TUNER_PLUGIN="),
+        ({"NCCL_ENV_PLUGIN": "libnccl-env.so"}, (), "the user's NCCL_ENV_PLUGIN="),
         # NCCL's names for the channel bounds since 2.17, and the legacy ones
         ({"NCCL_MIN_CTAS": "16"}, (), "the user's NCCL_MIN_CTAS='16' wins"),
         ({"NCCL_MAX_CTAS": "4"}, (), "the user's NCCL_MAX_CTAS='4' wins"),
@@ -301,7 +316,7 @@ def test_a_protocol_chosen_in_nccls_config_file_wins_over_the_plans(tmp_path):
     from sglang_sm120.machine.nccl_conf import nccl_settings
 
     conf = tmp_path / "nccl.conf"
-    conf.write_text("# site settings\nNCCL_DEBUG=WARN\n NCCL_PROTO = Simple\n")
+    conf.write_text("# site settings\nNCCL_DEBUG=WARN\nNCCL_PROTO=Simple\n")
     environ = {"NCCL_CONF_FILE": str(conf), "HOME": str(tmp_path)}
     settings = nccl_settings(environ)
     assert settings["NCCL_PROTO"] == "Simple" and settings["NCCL_DEBUG"] == "WARN"
@@ -314,22 +329,59 @@ def test_a_protocol_chosen_in_nccls_config_file_wins_over_the_plans(tmp_path):
 # ------------------------------------------ what NCCL reads, the way NCCL reads it (issue 32 2)
 
 
-def test_the_home_nccl_conf_is_the_passwd_entrys_not_homes(tmp_path, monkeypatch):
-    """NCCL takes ~/.nccl.conf from getpwuid(getuid())->pw_dir: a container's -e HOME=..., sudo
-    -E or a batch system's $HOME is not where NCCL looks."""
+def _two_homes(tmp_path, monkeypatch, env_line: str, passwd_line: str):
     import pwd
     from types import SimpleNamespace
 
+    env_home, passwd_home = tmp_path / "home-env", tmp_path / "home-passwd"
+    for home, line in ((env_home, env_line), (passwd_home, passwd_line)):
+        home.mkdir()
+        (home / ".nccl.conf").write_text(line + "\n" if line else "")
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_dir=str(passwd_home)))
+    return env_home, passwd_home
+
+
+def test_the_home_nccl_conf_of_home_is_read_as_the_pinned_nccl_reads_it(tmp_path, monkeypatch):
+    """NCCL 2.30 (the pinned nvidia-nccl-cu13 2.30.7, whose library imports getenv and no
+    getpwuid) takes ~/.nccl.conf from $HOME: a container's -e HOME=... file is NCCL's."""
     from sglang_sm120.machine.nccl_conf import nccl_settings
 
-    elsewhere, passwd_home = tmp_path / "home-env", tmp_path / "home-passwd"
-    for home, proto in ((elsewhere, "Simple"), (passwd_home, "LL128")):
-        home.mkdir()
-        (home / ".nccl.conf").write_text(f"NCCL_PROTO={proto}\n")
-    monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_dir=str(passwd_home)))
-    settings = nccl_settings({"HOME": str(elsewhere)})
-    assert settings["NCCL_PROTO"] == "LL128"
-    assert settings.source("NCCL_PROTO") == str(passwd_home / ".nccl.conf")
+    env_home, _ = _two_homes(tmp_path, monkeypatch, "NCCL_PROTO=Simple", "")
+    settings = nccl_settings({"HOME": str(env_home)})
+    assert settings["NCCL_PROTO"] == "Simple"
+    assert settings.source("NCCL_PROTO") == str(env_home / ".nccl.conf")
+
+
+def test_the_passwd_homes_nccl_conf_is_read_too_for_older_nccl(tmp_path, monkeypatch):
+    """NCCL up to 2.29 took the home from getpwuid(getuid()): a setting there is the user's as
+    well, for whichever NCCL the worker loads, so it keeps the tuned variant off. $HOME's wins
+    where both set a name (the pinned NCCL reads it)."""
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    env_home, passwd_home = _two_homes(
+        tmp_path, monkeypatch, "NCCL_PROTO=Simple", "NCCL_PROTO=LL128\nNCCL_ALGO=Ring"
+    )
+    settings = nccl_settings({"HOME": str(env_home)})
+    assert settings["NCCL_PROTO"] == "Simple"
+    assert settings["NCCL_ALGO"] == "Ring"
+    assert settings.source("NCCL_ALGO") == str(passwd_home / ".nccl.conf")
+
+
+def test_config_lines_are_parsed_as_nccl_parses_them(tmp_path):
+    """NCCL splits each line at its first '=' and trims nothing (but the line end): a name with
+    a space around it is another variable, which NCCL never reads."""
+    from sglang_sm120.machine.nccl_conf import nccl_settings
+
+    conf = tmp_path / "nccl.conf"
+    conf.write_bytes(
+        b"NCCL_PROTO = Simple\n  NCCL_P2P_DISABLE=1\n#NCCL_ALGO=Tree\nNCCL_DEBUG=WARN\r\n"
+        b"NCCL_P2P_LEVEL=PIX=2\n"
+    )
+    settings = nccl_settings({"NCCL_CONF_FILE": str(conf), "HOME": str(tmp_path / "none")})
+    assert "NCCL_PROTO" not in settings and "NCCL_P2P_DISABLE" not in settings
+    assert "NCCL_ALGO" not in settings
+    assert settings["NCCL_DEBUG"] == "WARN"
+    assert settings["NCCL_P2P_LEVEL"] == "PIX=2"
 
 
 def _fifo(path):

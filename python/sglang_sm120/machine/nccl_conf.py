@@ -1,10 +1,13 @@
 """The NCCL_* settings NCCL itself will see: the environment's, and those of NCCL's own
 configuration files, which it applies for every variable the environment leaves unset
-(``NCCL_CONF_FILE``, or else ``~/.nccl.conf`` in the passwd entry's home directory, then
-``/etc/nccl.conf``; NCCL User Guide, "Environment Variables", and NCCL's ``initEnv``, which
-takes the home from ``getpwuid(getuid())``, not from ``$HOME``). A user who chose a protocol in
-``/etc/nccl.conf`` chose it as surely as one who exported it: the plugin's tuned NCCL variant
-must not override either, and doctor's NCCL warnings read the same settings.
+(``NCCL_CONF_FILE``, or else ``~/.nccl.conf``, then ``/etc/nccl.conf``; NCCL User Guide,
+"Environment Variables", and NCCL's ``initEnv``). The home directory depends on the NCCL: 2.30
+(the pinned nvidia-nccl-cu13 2.30.7) takes ``$HOME``, 2.29 and older took the passwd entry's
+(``getpwuid(getuid())``). Both files are read, ``$HOME``'s first, so a setting in either counts
+whichever NCCL the worker loads. A user who chose a protocol in ``/etc/nccl.conf`` chose it as
+surely as one who exported it: the plugin's tuned NCCL variant must not override either, and
+doctor's NCCL warnings read the same settings. Lines are read as NCCL reads them: split at the
+first ``=``, nothing trimmed but the line end, ``#`` lines skipped.
 
 NCCL reads each file whole. A file that is absent sets nothing (NCCL skips it too); one that
 cannot be read here within bounds (over ``MAX_BYTES``, not a regular file, no permission, not
@@ -35,12 +38,17 @@ def passwd_home() -> str | None:
 
 
 def conf_files(environ: Mapping[str, str]) -> list[Path]:
-    """NCCL's configuration files, in the order it applies them."""
+    """NCCL's configuration files, in the order it applies them: ``NCCL_CONF_FILE`` or the
+    home file(s) (``$HOME``'s for NCCL 2.30, the passwd home's for older ones), then /etc."""
     user = environ.get(CONF_FILE_ENV)
     if user:
         return [Path(user), SYSTEM_CONF]
-    home = passwd_home()
-    return ([Path(home) / ".nccl.conf"] if home else []) + [SYSTEM_CONF]
+    homes: list[Path] = []
+    for home in (environ.get("HOME"), passwd_home()):
+        path = Path(f"{home}/.nccl.conf")  # as NCCL builds it: HOME="" is /.nccl.conf
+        if home is not None and path not in homes:
+            homes.append(path)
+    return [*homes, SYSTEM_CONF]
 
 
 class NcclSettings(Mapping[str, str]):
@@ -84,7 +92,7 @@ def _conf_text(path: Path) -> str | None:
 
 def nccl_settings(environ: Mapping[str, str]) -> NcclSettings:
     """What NCCL will see: the environment's NCCL_* first, then each configuration file's
-    ``NAME=value`` lines (``#`` comments) for a name still unset."""
+    ``NAME=value`` lines (``#`` lines skipped) for a name still unset."""
     values = {k: v for k, v in environ.items() if k.startswith("NCCL_")}
     sources: dict[str, str] = {}
     for path in conf_files(environ):
@@ -93,11 +101,11 @@ def nccl_settings(environ: Mapping[str, str]) -> NcclSettings:
         except (UnreadableFile, UnicodeDecodeError) as exc:
             why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else str(exc)
             return NcclSettings(values, sources, f"NCCL's config file {path} unreadable ({why})")
-        for line in (text or "").splitlines():
-            line = line.strip()
+        for line in (text or "").split("\n"):
+            line = line.removesuffix("\r")
             if line.startswith("#") or "=" not in line:
                 continue
-            name, value = (part.strip() for part in line.split("=", 1))
+            name, value = line.split("=", 1)  # as NCCL: no trimming ("NCCL_X =" is not NCCL_X)
             if name.startswith("NCCL_") and name not in values:
                 values[name] = value
                 sources[name] = str(path)

@@ -381,6 +381,15 @@ def tuned_nccl_env(
         )
     if d.ray:
         return (), "nccl env: none (--use-ray: Ray's actors load no SGLang plugin to set it)"
+    other_groups = (
+        "--enable-dp-attention" if d.attention_dp else None,
+        f"--moe-a2a-backend {d.moe_a2a_backend}" if d.moe_a2a_backend != "none" else None,
+    )
+    if any(other_groups):
+        return (), (
+            f"nccl env: none ({', '.join(g for g in other_groups if g)}: the variant would reach "
+            "the all-reduces of groups tune did not time)"
+        )
     if not table.nccl_variants:
         return (), "nccl env: none (the tuning table has no NCCL variants: re-run tune)"
     if table.version < NCCL_VARIANTS_VERSION:
@@ -437,7 +446,8 @@ def with_tuned_nccl_env(plan: AllReducePlan, facts: HostFacts, d: Deployment) ->
 
 # Set by the user, any of these keeps the tuned variant off: NCCL weighs the family together
 # (NCCL_MIN/MAX_CTAS are its names for the channel bounds since 2.17, NCCL_MIN/MAX_NRINGS the
-# legacy ones), and a tuner plugin makes NCCL's choices itself.
+# legacy ones), a tuner plugin makes NCCL's choices itself, and an env plugin (NCCL 2.30) may
+# hand NCCL any value, ours included, in place of the environment's.
 USER_NCCL_TUNING = (
     *NCCL_TUNING_FAMILY,
     "NCCL_MIN_CTAS",
@@ -445,6 +455,7 @@ USER_NCCL_TUNING = (
     "NCCL_MIN_NRINGS",
     "NCCL_MAX_NRINGS",
     "NCCL_TUNER_PLUGIN",
+    "NCCL_ENV_PLUGIN",
 )
 
 

@@ -43,6 +43,9 @@ def resolve(target: str) -> Any:
     return getattr(pkgutil.resolve_name(module_path), attr)
 
 
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
 def _unwrapped(fn: Any) -> Any:
     """Our own wrappers keep the upstream original in ``__wrapped__``."""
     while hasattr(fn, "__wrapped__"):
@@ -64,7 +67,13 @@ def mismatch(symbol: Symbol) -> str | None:
     if not callable(fn):
         return f"{symbol.target}: expected a function, found {type(obj).__name__}"
     if symbol.params is not None:
-        found = tuple(inspect.signature(fn).parameters)
+        parameters = inspect.signature(fn).parameters.values()
+        found = tuple(p.name for p in parameters)
+        if found != symbol.params and all(p.kind in _VARIADIC for p in parameters):
+            return (  # e.g. a custom-op wrapper: the parameters may be unchanged behind it
+                f"{symbol.target}: expected parameters {symbol.params}, found a "
+                f"{type(obj).__name__} taking only {found}, which hides them"
+            )
         if found != symbol.params:
             return f"{symbol.target}: expected parameters {symbol.params}, found {found}"
     code = getattr(fn, "__code__", None)

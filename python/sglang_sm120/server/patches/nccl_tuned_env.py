@@ -41,7 +41,15 @@ from sglang_sm120.server.runtime import (
 )
 
 TARGET = "sglang.srt.distributed.bootstrap.init_distributed_environment"
-CONTRACT = (Symbol(TARGET, "function"),)
+CONTRACT = (
+    Symbol(TARGET, "function"),
+    # where SGLang starts NCCL: if it stopped calling the target, the hook would never run
+    Symbol(
+        "sglang.srt.distributed.bootstrap._init_parallel_groups",
+        "function",
+        reads=("init_distributed_environment",),
+    ),
+)
 ROLES = ("scheduler",)
 NAME = "nccl_tuned_env"
 _set: dict[str, str] = {}  # what the hook put in os.environ
