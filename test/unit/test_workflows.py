@@ -177,7 +177,7 @@ def test_the_upstream_canary_runs_weekly_and_by_hand_and_fails_naming_what_moved
     upload = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact@"))
     assert upload.get("if") == "always()" and upload["with"]["path"] == ".out/"
     verdict = steps[-1]
-    assert verdict.get("if") == "always()" and "print(f\"::error title={title}::" in verdict["run"]
+    assert verdict.get("if") == "always()" and 'print(f"::error title={title}::' in verdict["run"]
     assert "upstream moved (" in verdict["run"] and "%0A" in verdict["run"]  # escaped
     assert set(verdict["env"]) == {"REPORT", "CONTRACT", "CPU"}
 
