@@ -52,3 +52,20 @@ def fresh_worker(monkeypatch):
     yield monkeypatch
     for cached in caches:
         cached.cache_clear()
+
+
+@pytest.fixture
+def pcie_host(monkeypatch):
+    """Our facts say 8x SM120 PCIe; restore the cached capability and statuses afterwards."""
+    from sglang_sm120.machine import facts
+    from sglang_sm120.server import runtime
+    from sglang_sm120.server.runtime import PATCH_STATUS
+
+    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
+    monkeypatch.delenv("SGLANG_SM120_DISABLE", raising=False)
+    for cached in (facts.current_facts, runtime.sm12x_capability):
+        cached.cache_clear()
+    yield
+    for cached in (facts.current_facts, runtime.sm12x_capability):
+        cached.cache_clear()
+    PATCH_STATUS.clear()

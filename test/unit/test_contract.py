@@ -87,22 +87,6 @@ def test_constant_no_longer_read_is_named():
     assert "no longer reads _is_sm120_supported" in problem
 
 
-@pytest.fixture
-def pcie_host(monkeypatch):
-    """Our facts say 8x SM120 PCIe; restore the cached capability and statuses afterwards."""
-    from sglang_sm120.machine import facts
-    from sglang_sm120.server import runtime
-
-    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", "rtx-pro-6000-x8-pcie")
-    monkeypatch.delenv("SGLANG_SM120_DISABLE", raising=False)
-    for cached in (facts.current_facts, runtime.sm12x_capability):
-        cached.cache_clear()
-    yield
-    for cached in (facts.current_facts, runtime.sm12x_capability):
-        cached.cache_clear()
-    PATCH_STATUS.clear()
-
-
 def test_renamed_upstream_symbol_applies_nothing_and_logs_one_error(pcie_host, monkeypatch, caplog):
     """Simulate an upstream rename on the real module: the seam disappears."""
     from sglang.srt.layers import flashinfer_comm_fusion

@@ -21,7 +21,6 @@ from sglang_sm120.planning.levers import allreduce_levers
 from sglang_sm120.planning.policy import Deployment, plan_allreduce
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 from sglang_sm120.server import plugin
-from sglang_sm120.server.runtime import PATCH_STATUS
 from sglang_sm120.version import SGLANG_PIN, __version__
 
 KIMI = "KimiK25ForConditionalGeneration"
@@ -32,22 +31,6 @@ BOTH = {"launcher": "launcher", "TP worker": "scheduler"}
 # them (registering real hooks in this process), so these causes are judged by the worker.
 WORKER = {"TP worker": "scheduler"}
 INSTALLED = metadata.version("sglang")
-
-
-@pytest.fixture
-def pcie_host(monkeypatch):
-    """Our facts say 8x SM120 PCIe; restore the cached capability and statuses afterwards."""
-    from sglang_sm120.machine import facts
-    from sglang_sm120.server import runtime
-
-    monkeypatch.setenv("SGLANG_SM120_TOPOLOGY", PROFILE)
-    monkeypatch.delenv("SGLANG_SM120_DISABLE", raising=False)
-    for cached in (facts.current_facts, runtime.sm12x_capability):
-        cached.cache_clear()
-    yield
-    for cached in (facts.current_facts, runtime.sm12x_capability):
-        cached.cache_clear()
-    PATCH_STATUS.clear()
 
 
 def doctors_view(roles: dict[str, str]) -> tuple:

@@ -123,9 +123,16 @@ def variant_rows(times: dict, prefill: dict | None = None) -> tuple[VariantMeasu
     return tuple(rows)
 
 
-def tuned(times: dict, nccl_wins: bool = True, prefill: dict | None = None, **deployment):
+def tuned(
+    times: dict,
+    nccl_wins: bool = True,
+    prefill: dict | None = None,
+    table_version: int | None = None,
+    **deployment,
+):
     """(env, reason) on 8x SM120 at TP8 whose table leaves every size on NCCL (fusion off,
-    plain NCCL), or none of them (``nccl_wins`` False: trtllm fastest everywhere)."""
+    plain NCCL), or none of them (``nccl_wins`` False: trtllm fastest everywhere); a table of
+    ``table_version`` when given."""
     facts = load_profile(PCIE)
     fused = 5.0 if nccl_wins else 1.0
     rows = [Measurement("trtllm", t, fused * DEFAULT_US[t], True) for t in SIZES]
@@ -137,6 +144,7 @@ def tuned(times: dict, nccl_wins: bool = True, prefill: dict | None = None, **de
         "bfloat16",
         tuple(rows),
         nccl_variants=variant_rows(times, prefill),
+        **({} if table_version is None else {"version": table_version}),
     )
     d = Deployment(tp_size=8, model_arch=KIMI, pcie_ipc_env=False, tuning=table, **deployment)
     plan = plan_allreduce(facts, d, FUSION_ARCHS)
@@ -245,20 +253,7 @@ def test_a_variant_tune_timed_on_the_tp_group_only_is_not_set_for_other_groups(d
 def test_a_version_2_table_applies_none_of_its_nccl_variants():
     """A version-2 table predates tune's NCCL variants (docs/routing.md): whatever variants it
     carries, the plan sets none and says why."""
-    facts = load_profile(PCIE)
-    rows = [Measurement("trtllm", t, 5 * DEFAULT_US[t], True) for t in SIZES]
-    rows += [Measurement("nccl", t, DEFAULT_US[t], True) for t in SIZES]
-    table = TuningTable(
-        host_fingerprint(facts, 8),
-        8,
-        7168,
-        "bfloat16",
-        tuple(rows),
-        version=2,
-        nccl_variants=variant_rows({LL: (5.0, 10.0)}),
-    )
-    d = Deployment(tp_size=8, model_arch=KIMI, pcie_ipc_env=False, tuning=table)
-    env, reason = tuned_nccl_env(table, facts, d, plan_allreduce(facts, d, FUSION_ARCHS))
+    env, reason = tuned({LL: (5.0, 10.0)}, table_version=2)
     assert env == () and reason == (
         "nccl env: none (a version-2 tuning table: its NCCL variants are not applied; re-run tune)"
     )

@@ -50,24 +50,23 @@ def positive_int(text: str) -> int:
     return value
 
 
-def stage_count(text: str) -> int:
-    """--pp-size: 1..MAX_TP_SIZE (each stage has at least one rank)."""
+def _at_most(text: str, maximum: int, what: str) -> int:
     value = positive_int(text)
-    if value > MAX_TP_SIZE:
+    if value > maximum:
         raise argparse.ArgumentTypeError(
-            f"{value} is above {MAX_TP_SIZE}, the most ranks a deployment may have here"
+            f"{value} is above {maximum}, the most {what} a deployment may have here"
         )
     return value
+
+
+def stage_count(text: str) -> int:
+    """--pp-size: 1..MAX_TP_SIZE (each stage has at least one rank)."""
+    return _at_most(text, MAX_TP_SIZE, "ranks")
 
 
 def node_count(text: str) -> int:
     """--nnodes: 1..MAX_NODES, the topology schema's own bound."""
-    value = positive_int(text)
-    if value > MAX_NODES:
-        raise argparse.ArgumentTypeError(
-            f"{value} is above {MAX_NODES}, the most nodes a deployment may have here"
-        )
-    return value
+    return _at_most(text, MAX_NODES, "nodes")
 
 
 #: --dtype: the dtype the model runs in, as the plan compares it; SGLang's aliases map to it.
