@@ -152,11 +152,16 @@ def require_sglang() -> None:
         )
 
 
+def _shape(tp_size: int, pp_size: int) -> str:
+    """The flags a rank count came from, as a refusal names them."""
+    return f"--tp {tp_size}" + (f" x --pp-size {pp_size}" if pp_size > 1 else "")
+
+
 def check_rank_count(tp_size: int, pp_size: int = 1) -> None:
     """tp x pp ranks are at most MAX_TP_SIZE, what a deployment of the largest topology has
     (so no plan lists more GPUs than any machine has, whether or not this one has a GPU)."""
     if tp_size * pp_size > MAX_TP_SIZE:
-        shape = f"--tp {tp_size}" + (f" x --pp-size {pp_size}" if pp_size > 1 else "")
+        shape = _shape(tp_size, pp_size)
         raise UsageError(
             f"{shape} = {tp_size * pp_size} ranks, above {MAX_TP_SIZE}: the most a deployment "
             f"of {MAX_NODES} nodes of {MAX_GPUS} GPUs has"
@@ -170,7 +175,7 @@ def check_tp(facts: HostFacts, tp_size: int, nnodes: int, pp_size: int = 1) -> N
     ranks = tp_size * pp_size
     available = len(facts.gpus) * nnodes
     if ranks > available:
-        shape = f"--tp {tp_size}" + (f" x --pp-size {pp_size}" if pp_size > 1 else "")
+        shape = _shape(tp_size, pp_size)
         raise UsageError(
             f"{shape} needs {ranks} GPU{'s' if ranks > 1 else ''}; "
             f"{facts.source} has {len(facts.gpus)}"

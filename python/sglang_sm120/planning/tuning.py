@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_sm120.env_values import ascii_digits
 from sglang_sm120.machine.cache import (
     cache_dir,
     cache_name,
@@ -157,8 +158,7 @@ def variant_env(data: Any, where: str) -> NcclEnv:
         choices = NCCL_VARIANT_CHOICES.get(key)
         value = require(data, key, str, where, choices=choices, limit=8)
         # ASCII digits only: str.isdigit() and int() also take other scripts' digits ('٤')
-        digits = value.isascii() and value.isdigit()
-        if choices is None and not (digits and 1 <= int(value) <= MAX_NCHANNELS):
+        if choices is None and not (ascii_digits(value) and 1 <= int(value) <= MAX_NCHANNELS):
             raise FieldError(f"{where}.{key} must be a channel count 1..{MAX_NCHANNELS}")
         env.append((key, value))
     return tuple(env)
