@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -366,3 +368,41 @@ def test_a_server_started_as_stop_all_lists_them_is_stopped_at_once(
     runs.stopping.clear()
     monkeypatch.setattr(h.subprocess, "Popen", popen)
     assert runs.get(launch).launch == launch  # a stop's failure is not memoised
+
+
+def test_a_signal_while_results_waits_stops_the_batch_and_starts_nothing_more(timed_runs) -> None:
+    """A signal handler raising while ``results()`` waits on a thread. Python 3.11's
+    ``Thread.join`` then marks that still-running thread as stopped, so a batch that trusted
+    ``join`` / ``is_alive`` let its thread go on to the next launch of the series."""
+    runs, timeline = timed_runs
+    runs.startup_s = 600
+    launches = [h.Launch(f"fake{i}", 1, "off", prompts=("a",)) for i in range(2)]
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    def first_worker_runs() -> bool:
+        return any("worker pid" in p.read_text() for p in runs.log_dir.glob("*.log"))
+
+    def send_once_the_first_server_runs() -> None:
+        deadline = time.monotonic() + 60
+        while not first_worker_runs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Thread(target=send_once_the_first_server_runs, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            with runs.start(launches, at_once=False) as servers:
+                servers.results()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    try:
+        time.sleep(2)  # time enough for a wrongly freed thread to start the second server
+        starts = [line for _, line in timeline.lines if "starting server" in line]
+        assert len(starts) == 1, starts
+        assert len(list(runs.log_dir.glob("*.log"))) == 1
+        assert all(done.is_set() for done in servers.done)
+    finally:
+        runs.stop_all()  # whatever a failure left running

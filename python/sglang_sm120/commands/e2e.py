@@ -650,18 +650,25 @@ class ServerBatch:
         self.outcomes: dict[int, RunResult | BaseException] = {}
         everything = list(range(len(self.launches)))
         groups = [[i] for i in everything] if at_once else [everything]
+        # Each thread sets its own event when done. Thread.join is not used to wait: on
+        # Python 3.11 a join interrupted by a signal marks the still-running thread stopped.
+        self.done = [threading.Event() for _ in groups]
         self.threads = [
-            threading.Thread(target=self._run, args=(group,), daemon=True) for group in groups
+            threading.Thread(target=self._run, args=(group, done), daemon=True)
+            for group, done in zip(groups, self.done, strict=True)
         ]
 
-    def _run(self, indices: list[int]) -> None:
-        for i in indices:
-            if self.runs.stopping.is_set():
-                return
-            try:
-                self.outcomes[i] = self.runs.get(self.launches[i])
-            except BaseException as exc:  # handed to the caller's thread by results()
-                self.outcomes[i] = exc
+    def _run(self, indices: list[int], done: threading.Event) -> None:
+        try:
+            for i in indices:
+                if self.runs.stopping.is_set():
+                    return
+                try:
+                    self.outcomes[i] = self.runs.get(self.launches[i])
+                except BaseException as exc:  # handed to the caller's thread by results()
+                    self.outcomes[i] = exc
+        finally:
+            done.set()
 
     def __enter__(self) -> ServerBatch:
         for thread in self.threads:
@@ -671,8 +678,8 @@ class ServerBatch:
     def results(self) -> list[RunResult | ServerFailed]:
         """Each launch's result or its ServerFailed, in order, once all are done; any other
         error of a launch is raised here."""
-        for thread in self.threads:
-            thread.join()  # interruptible: a signal's exception is raised here
+        for done in self.done:
+            done.wait()  # interruptible: a signal's exception is raised here
         outcomes = [self.outcomes[i] for i in range(len(self.launches))]
         for outcome in outcomes:
             if not isinstance(outcome, (RunResult, ServerFailed)):
@@ -684,9 +691,9 @@ class ServerBatch:
             return
         self.runs.stop_all()
         deadline = time.monotonic() + self.JOIN_S
-        for thread in self.threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if not any(thread.is_alive() for thread in self.threads):
+        for done in self.done:
+            done.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if all(done.is_set() for done in self.done):
             self.runs.stopping.clear()  # else a thread still running must not start another
 
 
