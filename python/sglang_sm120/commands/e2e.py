@@ -637,7 +637,7 @@ class ServerBatch:
     reach the main thread alone: leaving the ``with`` block by any exception (a signal's
     included) stops every server of ``runs`` before it propagates."""
 
-    JOIN_S = 180.0  # a server stopped by stop_all leaves its thread within seconds
+    STOP_WAIT_S = 180.0  # a server stopped by stop_all leaves its thread within seconds
 
     def __init__(
         self,
@@ -690,7 +690,7 @@ class ServerBatch:
         if exc_type is None:
             return
         self.runs.stop_all()
-        deadline = time.monotonic() + self.JOIN_S
+        deadline = time.monotonic() + self.STOP_WAIT_S
         for done in self.done:
             done.wait(timeout=max(0.0, deadline - time.monotonic()))
         if all(done.is_set() for done in self.done):
