@@ -1,10 +1,13 @@
-"""What the lifecycle tests ask of the operating system: is a process gone, is a port free."""
+"""What the lifecycle tests ask of the operating system: is a process gone, is a port free,
+which processes did the fake servers start."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
+from pathlib import Path
 
 
 def gone(pid: int, within_s: float = 5.0) -> bool:
@@ -29,3 +32,9 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def server_pids(log_dir: Path) -> list[int]:
+    """The pids of the fake servers and their workers, as their logs in ``log_dir`` print them."""
+    text = "".join(p.read_text() for p in sorted(log_dir.glob("*.log")))
+    return [int(pid) for pid in re.findall(r"(?:server|worker) pid (\d+)", text)]

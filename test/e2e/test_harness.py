@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import gone
+from processes import gone, server_pids
 from sglang_sm120.commands import e2e as h
 
 
@@ -304,19 +304,14 @@ def test_leaving_the_block_by_an_exception_stops_every_server_it_started(timed_r
     runs, _ = timed_runs
     runs.startup_s = 600
     launches = [h.Launch(f"fake{i}", 1, "off", prompts=("a",)) for i in range(2)]
-
-    def worker_pids() -> list[int]:
-        text = "".join(p.read_text() for p in runs.log_dir.glob("*.log"))
-        return [int(pid) for pid in re.findall(r"(?:server|worker) pid (\d+)", text)]
-
     deadline = time.monotonic() + 60
     with pytest.raises(KeyboardInterrupt):
         with runs.start(launches, at_once=True):
-            while len(worker_pids()) < 4:
-                assert time.monotonic() < deadline, worker_pids()
+            while len(server_pids(runs.log_dir)) < 4:
+                assert time.monotonic() < deadline, server_pids(runs.log_dir)
                 time.sleep(0.1)
             raise KeyboardInterrupt
-    pids = worker_pids()
+    pids = server_pids(runs.log_dir)
     assert len(pids) == 4 and all(gone(pid) for pid in pids)
 
 
@@ -381,12 +376,9 @@ def test_a_signal_while_results_waits_stops_the_batch_and_starts_nothing_more(ti
     def interrupt(signum, frame) -> None:
         raise KeyboardInterrupt
 
-    def first_worker_runs() -> bool:
-        return any("worker pid" in p.read_text() for p in runs.log_dir.glob("*.log"))
-
     def send_once_the_first_server_runs() -> None:
         deadline = time.monotonic() + 60
-        while not first_worker_runs() and time.monotonic() < deadline:
+        while len(server_pids(runs.log_dir)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGUSR1)
 

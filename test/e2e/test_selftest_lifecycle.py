@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import gone, port_free
+from processes import gone, port_free, server_pids
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 TP = 2
@@ -96,17 +96,12 @@ def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 120) -> tupl
     return rc, (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
 
 
-def pids_in(logs: Path) -> list[int]:
-    text = "".join(p.read_text() for p in sorted(logs.glob("*.log")))
-    return [int(pid) for pid in re.findall(r"(?:server|worker) pid (\d+)", text)]
-
-
 def ports_in(progress: str) -> list[int]:
     return [int(port) for port in re.findall(r"on port (\d+)", progress)]
 
 
 def assert_all_stopped(logs: Path, progress: str, servers: int) -> None:
-    pids = pids_in(logs)
+    pids = server_pids(logs)
     assert len(pids) == 2 * servers, f"expected {servers} servers with a worker each: {pids}"
     assert all(gone(pid) for pid in pids), "a server or worker process outlived the selftest"
     ports = ports_in(progress)
