@@ -117,28 +117,6 @@ def test_sglang_serve_loads_the_plugin_in_every_process(deepseek):
     assert plan.startswith("fusion=trtllm, plain all-reduce=pcie_ipc; ")
 
 
-def test_workers_keep_the_tables_routes_and_the_users_switch(deepseek, tmp_path):
-    require_kernel_package()
-    fingerprint = host_fingerprint(load_profile(PROFILE), 2)
-    rows = [Measurement("sm120_pcie", t, us, True) for t, us in ((4, 5.0), (64, 50.0))]
-    rows += [Measurement("nccl", t, us, True) for t, us in ((4, 20.0), (64, 30.0))]
-    os.environ["SGLANG_SM120_CACHE_DIR"] = str(tmp_path)
-    try:
-        save_table(TuningTable(fingerprint, 2, 7168, "bfloat16", tuple(rows)))
-    finally:
-        del os.environ["SGLANG_SM120_CACHE_DIR"]
-    env = {"SGLANG_SM120_CACHE_DIR": str(tmp_path), "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE": "0"}
-    # Without custom all-reduce (which at TP2 would take the declined 64-token point, untimed)
-    # the table may route a size off the fusion backend: the launcher reads the flag.
-    command = [sys.executable, "-m", "sglang.launch_server"]
-    plan = check_same_plan_everywhere(
-        launch(command, deepseek, env, extra=("--disable-custom-all-reduce",))
-    )
-    assert plan.startswith("fusion=sm120_pcie, plain all-reduce=nccl; ")
-    assert "from the tuning table: sm120_pcie at [4], nccl at [64] tokens" in plan
-    assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user" in plan
-
-
 VALIDATION = {"SGLANG_SM120_TOPOLOGY": "h200-x8-nvlink", "SGLANG_SM120_ANY_ARCH": "1"}
 
 
@@ -176,9 +154,12 @@ def test_launcher_plans_with_the_host_findings_and_workers_follow(deepseek):
     assert "(fix: disable ACS in the BIOS" in plan
 
 
-def test_a_table_of_every_size_reaches_the_workers(deepseek, tmp_path):
+def test_a_table_of_every_size_reaches_the_workers_with_its_routes_and_the_users_switch(
+    deepseek, tmp_path
+):
     """``tune --tokens $(seq 1 2048)``: the launch plan once outgrew the environment, and
-    starting the TP workers failed with "Argument list too long"."""
+    starting the TP workers failed with "Argument list too long". The workers keep the table's
+    routes (sm120_pcie up to ~300 tokens, NCCL above) and the user's switch."""
     require_kernel_package()
     from test_launch_plan import every_size_table
 
@@ -187,13 +168,19 @@ def test_a_table_of_every_size_reaches_the_workers(deepseek, tmp_path):
         save_table(every_size_table(load_profile(PROFILE), 2))
     finally:
         del os.environ["SGLANG_SM120_CACHE_DIR"]
-    env = {"SGLANG_SM120_CACHE_DIR": str(tmp_path)}
+    env = {"SGLANG_SM120_CACHE_DIR": str(tmp_path), "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE": "0"}
+    # Without custom all-reduce (which at TP2 would take the table's declined sizes, untimed)
+    # the table may route a size off the fusion backend: the launcher reads the flag.
     command = [sys.executable, "-m", "sglang.launch_server"]
     plan = check_same_plan_everywhere(
         launch(command, deepseek, env, extra=("--disable-custom-all-reduce",))
     )
-    assert plan.startswith("fusion=sm120_pcie, plain all-reduce=sm120_pcie; "), plan
-    assert "from the tuning table: sm120_pcie at [1-" in plan and "-2048] tokens" in plan
+    assert plan.startswith("fusion=sm120_pcie, plain all-reduce=nccl; "), plan
+    routes = re.search(
+        r"from the tuning table: sm120_pcie at \[1-(\d+)\], nccl at \[(\d+)-2048\] tokens", plan
+    )
+    assert routes and int(routes[2]) == int(routes[1]) + 1, plan
+    assert "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=0 set by the user" in plan
 
 
 def nccl_launch(deepseek: Path, tmp_path: Path, user_env: dict[str, str]) -> tuple[str, list[dict]]:
