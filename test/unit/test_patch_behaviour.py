@@ -644,7 +644,7 @@ def test_a_still_starting_child_sets_the_tuned_nccl_env_at_nccl_init(
     seen = {}
 
     def nccl_starts(*args, **kwargs):
-        seen["NCCL_PROTO"] = os.environ.get("NCCL_PROTO")
+        seen["NCCL_PROTO"] = process_getenv("NCCL_PROTO")
 
     own_hook_registry.register(NCCL_TARGET, nccl_starts, HookType.REPLACE)
     own_hook_registry.apply_hooks()
@@ -657,6 +657,47 @@ def test_a_still_starting_child_sets_the_tuned_nccl_env_at_nccl_init(
     assert runtime.PATCH_STATUS["nccl_tuned_env"] == "applied"
     assert runtime.nccl_env_line().startswith(
         "nccl env: NCCL_PROTO=allreduce:LL set before NCCL starts; "
+    )
+    monkeypatch.delenv("NCCL_PROTO")  # what the hook set, not this test's
+
+
+def process_getenv(name: str) -> str | None:
+    """What NCCL's getenv(3) reads: the C environment, not Python's os.environ copy."""
+    import ctypes
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype, getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    raw = getenv(name.encode())
+    return None if raw is None else raw.decode()
+
+
+def test_a_tuned_nccl_env_that_never_reaches_the_process_environment_is_refused(
+    own_hook_registry, monkeypatch, tmp_path
+):
+    """``applied`` is what NCCL will read: where putenv does not reach the C environment
+    (os.environ then holds a value getenv(3) does not see), the status says refused and names
+    the variable, not applied."""
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.plugins.hook_registry import HookType
+    from sglang_sm120.server import patches, plugin, runtime
+    from sglang_sm120.server.patches import nccl_tuned_env
+
+    nccl_plan_published(monkeypatch, tmp_path)
+    monkeypatch.setattr(patches, "PATCHES", (nccl_tuned_env,))
+    monkeypatch.setattr(runtime, "_role", ["scheduler"])
+    monkeypatch.setattr(os, "putenv", lambda name, value: None)
+    plugin.register_patches("scheduler")
+    seen = {}
+
+    def nccl_starts(*args, **kwargs):
+        seen["NCCL_PROTO"] = process_getenv("NCCL_PROTO")
+
+    own_hook_registry.register(NCCL_TARGET, nccl_starts, HookType.REPLACE)
+    own_hook_registry.apply_hooks()
+    bootstrap.init_distributed_environment(world_size=2, rank=0, backend="nccl")
+    assert seen == {"NCCL_PROTO": None}
+    assert runtime.PATCH_STATUS["nccl_tuned_env"] == (
+        "refused (NCCL_PROTO=allreduce:LL is not in the process environment NCCL reads)"
     )
     monkeypatch.delenv("NCCL_PROTO")  # what the hook set, not this test's
 

@@ -13,15 +13,17 @@ How: BEFORE hook on ``init_distributed_environment``, which every process that s
     when none of ``USER_NCCL_TUNING`` is set, in the environment or NCCL's config files, and
     every config file could be read (``machine.nccl_conf``): a user's own value (or SGLang's,
     for deterministic inference) wins, and the status says so. ``applied`` means the variables
-    were in the environment when ``init_distributed_environment`` ran; until then the status
-    is ``pending``. Set in the worker, not the launcher: a launcher's variable would look like
-    the user's to its workers, and would leak into an Engine user's own process.
+    were in the process environment NCCL's getenv(3) reads (read back through libc, not
+    ``os.environ``, Python's copy) when ``init_distributed_environment`` ran; until then the
+    status is ``pending``. Set in the worker, not the launcher: a launcher's variable would
+    look like the user's to its workers, and would leak into an Engine user's own process.
 Upstream: none; NCCL tuning is the deployer's job upstream.
 Removal: when NCCL's own model picks the measured winner on SM12x PCIe hosts.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -70,6 +72,21 @@ def not_needed(cap: Capability) -> str | None:
     return None if env else line
 
 
+def _missing_from_process_environment(env: tuple[tuple[str, str], ...]) -> str | None:
+    """The first NAME=value that getenv(3), which NCCL calls, does not return (None: all do).
+    os.environ can hold a value the C environment lacks (putenv failed or was replaced)."""
+    try:
+        getenv = ctypes.CDLL(None).getenv
+    except (OSError, AttributeError):  # no C library to ask: Python's copy is all there is
+        return next((f"{n}={v}" for n, v in env if os.environ.get(n) != v), None)
+    getenv.restype, getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    for name, value in env:
+        raw = getenv(name.encode())
+        if raw is None or raw != value.encode():
+            return f"{name}={value}"
+    return None
+
+
 def set_before_nccl_starts(*args, **kwargs) -> None:
     """Put the plan's NCCL variables in the environment NCCL is about to read, and record
     whether they hold there (the patch's status); once per process (a second call would read
@@ -81,11 +98,13 @@ def set_before_nccl_starts(*args, **kwargs) -> None:
     for name, value in env:
         os.environ[name] = value
         _set[name] = value
-    held = all(os.environ.get(name) == value for name, value in env)
+    missing = _missing_from_process_environment(env)
     if not env:
         status = f"not needed ({line})"
+    elif missing is None:
+        status = "applied"
     else:
-        status = "applied" if held else "refused (its setting did not take effect)"
+        status = f"refused ({missing} is not in the process environment NCCL reads)"
     PATCH_STATUS[NAME] = status
     record_nccl_env(line)
     log_once(logging.INFO, f"sglang-sm120: {NAME}={status} at init_distributed_environment; {line}")
