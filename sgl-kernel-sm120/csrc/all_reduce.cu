@@ -59,8 +59,10 @@ struct Shared {
   int abort;
   float red[kRowsPerPass][kWarps];
   // Row split: every block of the cluster's share of the row's sum of squares, by cluster
-  // rank, written by each block into every block's copy (distributed shared memory).
+  // rank, stored by each block into every block's copy (distributed shared memory) with
+  // st.async, which counts its bytes on the receiving block's row_parts_arrived mbarrier.
   float row_parts[SK_MAX_ROW_BLOCKS];
+  alignas(8) unsigned long long row_parts_arrived;
 };
 
 constexpr uint32_t kEmptyWord = 0xFFFFFFFFu;  // two "not arrived" lanes
@@ -225,6 +227,20 @@ __device__ void block_sums(float (&x)[kN], Shared& sh, bool& aborted) {
   __syncthreads();  // sh.red is reused by the next rows
 }
 
+// block_sum for a block that sums once (the row split): one barrier. sh.abort is read after
+// it, when every thread of the block has finished polling, so all threads see the same value.
+__device__ __forceinline__ float block_sum_once(float x, Shared& sh, bool& aborted) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  if (threadIdx.x % 32 == 0) sh.red[0][threadIdx.x / 32] = x;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += sh.red[0][w];
+  aborted = *reinterpret_cast<volatile int*>(&sh.abort) != 0;
+  return total;
+}
+
 __device__ __forceinline__ float block_sum(float x, Shared& sh, bool& aborted) {
   float one[1] = {x};
   block_sums<1>(one, sh, aborted);
@@ -236,31 +252,65 @@ __device__ __forceinline__ float block_sum(float x, Shared& sh, bool& aborted) {
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 }
 
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Row split, at kernel start (before the opening cluster_arrive_relaxed): this block's
+// row_parts_arrived expects one 4-byte share from every block of the cluster, itself included.
+__device__ void expect_row_parts(Shared& sh) {
+  if (threadIdx.x == 0) {
+    const uint32_t bar = shared_address(&sh.row_parts_arrived);
+    const uint32_t bytes = cooperative_groups::this_cluster().num_blocks() * sizeof(float);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+}
+
 // The row split's one exchange: this block's share of the row's sum of squares goes into
-// every cluster block's row_parts[part], then the shares are added in cluster-rank order (the
-// same bits in every block and on every rank). Called exactly once by every block of a
-// row-split launch (also one that gave up, with 0), after the kernel's opening
-// cluster_arrive_relaxed: the first wait makes sure every block has started (its shared
-// memory exists) before anyone writes into it; after the second no block touches another's
-// shared memory, so any block may exit.
+// every cluster block's row_parts[part] by st.async, which completes its bytes on that block's
+// row_parts_arrived; each block waits on its own barrier, then adds the shares in cluster-rank
+// order (the same bits in every block and on every rank). No cluster barrier and no fence on
+// the way (a release arrive is a GPU-scope MEMBAR, which waits for every store this thread
+// issued, the pushes to peers included). Called exactly once by every block of a row-split
+// launch (also one that gave up, with 0). The cluster_wait pairs with the kernel's opening
+// arrive: every block has started and set up its barrier before anyone stores into it. A
+// block leaves only after all shares have landed in its shared memory, so no store reaches an
+// exited block. The wait is bounded because every block gets here after bounded waits (cluster
+// blocks run together), and a timed-out block still sends its share.
 __device__ float cluster_row_total(Shared& sh, float part_sum) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   const int parts = static_cast<int>(cluster.num_blocks());
   const int part = static_cast<int>(cluster.block_rank());
   cluster_wait();
+  const uint32_t bar = shared_address(&sh.row_parts_arrived);
   if (static_cast<int>(threadIdx.x) < parts) {
-    *cluster.map_shared_rank(&sh.row_parts[part], static_cast<int>(threadIdx.x)) = part_sum;
+    const uint32_t to = threadIdx.x;
+    uint32_t slot, remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(slot)
+                 : "r"(shared_address(&sh.row_parts[part])), "r"(to));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(to));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 ::"r"(slot), "r"(__float_as_uint(part_sum)), "r"(remote_bar)
+                 : "memory");
   }
-  cluster_arrive_release();
-  cluster_wait();
+  uint32_t arrived = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [%1], 0; "
+        "selp.u32 %0, 1, 0, done; }"
+        : "=r"(arrived)
+        : "r"(bar)
+        : "memory");
+  } while (!arrived);
   float total = 0.f;
   for (int i = 0; i < parts; ++i) total += sh.row_parts[i];
   return total;
@@ -442,7 +492,7 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
     }
   }
   bool aborted;
-  sum_sq = block_sum(sum_sq, sh, aborted);
+  sum_sq = block_sum_once(sum_sq, sh, aborted);
   const float total = cluster_row_total(sh, sum_sq);
   if (aborted) return false;
   const float scale = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
@@ -552,26 +602,37 @@ __device__ bool add_rmsnorm_reduced_rows(const SkLaunchParams& p, Shared& sh, co
 // Sum over ranks of one-shot vector v: this rank's own input plus what every peer pushed into
 // `slots` (this rank's receive buffer of this call), in rank order so all ranks get the same
 // bits. Polls until no lane of any peer's vector is empty; false when the wait timed out (or
-// another thread of the block gave up), after recording who was missing.
+// another thread of the block gave up), after recording who was missing. One predicated load
+// per peer: at verify sizes the poll's instructions are its cost. The slots of this rank and of
+// ranks past the world hold `mine`, which is sendable, so never empty: each re-poll checks
+// slots 0-3 without a guard and 4-7 behind one uniform branch (world > 4).
+constexpr int kLowSlots = SK_MAX_RANKS / 2;  // sum_arrived: slots checked without a guard
+
 template <typename T>
 __device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh,
                             const uint4* slots, int64_t slot_vecs, const uint4* input, int64_t v,
                             uint32_t epoch) {
   const int world = p.world_size, rank = p.rank;
+  const uint4 mine = sendable(input[v]);
   uint4 u[SK_MAX_RANKS];
 #pragma unroll
   for (int j = 0; j < SK_MAX_RANKS; ++j) {
-    if (j < world) {
-      u[j] = (j == rank) ? sendable(input[v]) : ld_volatile_v4(slots + j * slot_vecs + v);
-    }
+    u[j] = mine;  // this rank's slot, and ranks past the world: never polled
+    if (j < world && j != rank) u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
   }
   uint64_t start = 0;
   bool ok = true;
   for (;;) {
-    int missing = -1;
+    int missing = -1;  // the lowest rank still missing; `mine` is never empty (sendable)
+    if (world > kLowSlots) {
 #pragma unroll
-    for (int j = SK_MAX_RANKS - 1; j >= 0; --j) {
-      if (j < world && j != rank && has_empty_lane(u[j])) missing = j;
+      for (int j = SK_MAX_RANKS - 1; j >= kLowSlots; --j) {
+        if (has_empty_lane(u[j])) missing = j;
+      }
+    }
+#pragma unroll
+    for (int j = kLowSlots - 1; j >= 0; --j) {
+      if (has_empty_lane(u[j])) missing = j;
     }
     if (missing < 0) break;
     if (start == 0) {
@@ -587,9 +648,13 @@ __device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh
       break;
     }
 #pragma unroll
-    for (int j = 0; j < SK_MAX_RANKS; ++j) {
-      if (j < world && j != rank && has_empty_lane(u[j])) {
-        u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
+    for (int j = 0; j < kLowSlots; ++j) {
+      if (has_empty_lane(u[j])) u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
+    }
+    if (world > kLowSlots) {
+#pragma unroll
+      for (int j = kLowSlots; j < SK_MAX_RANKS; ++j) {
+        if (has_empty_lane(u[j])) u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
       }
     }
   }
@@ -633,12 +698,16 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
   // once (the first one before the call state was read, see all_reduce_kernel).
   int64_t v0, v1;
   const int64_t per_block = oneshot_share(nvec, v0, v1);
+  // Unrolled over the peers (independent stores, no division for the wrap-around).
+  const int64_t push_offset = current * buffer_vecs + rank * slot_vecs;
   auto push = [&](int64_t v, const uint4& value) {
     const uint4 data = sendable(value);
-    for (int s = 1; s < world; ++s) {
-      uint4* slot = static_cast<uint4*>(p.lamport[(rank + s) % world]) + current * buffer_vecs +
-                    rank * slot_vecs;
-      slot[v] = data;
+#pragma unroll
+    for (int s = 1; s < SK_MAX_RANKS; ++s) {
+      if (s < world) {
+        const int peer = rank + s < world ? rank + s : rank + s - world;
+        static_cast<uint4*>(p.lamport[peer])[push_offset + v] = data;
+      }
     }
   };
   int64_t v = v0 + t;
@@ -655,10 +724,12 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
   // (verify sizes), the threads without a vector clear, so the pushing threads go straight to
   // their polls; otherwise every thread clears after its pushes (with fewer clearers a large
   // previous call would leave each of them thousands of stores). The clearer count is the same
-  // in every block, so the blocks' shares tile [0, dirty). The negative control keeps one
-  // buffer and never clears.
+  // in every block, so the blocks' shares tile [0, dirty). Roles go by whole warps: a warp
+  // holding one pusher would make it wait for its clearing lanes. The negative control keeps
+  // one buffer and never clears.
   uint4* own = static_cast<uint4*>(p.lamport[rank]);
-  const int pushers = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
+  const int vector_threads = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
+  const int pushers = min(SK_THREADS, (vector_threads + 31) / 32 * 32);
   const bool split_roles = pushers <= SK_THREADS / 2;
   const int clearers = split_roles ? SK_THREADS - pushers : SK_THREADS;
   const int clearer = split_roles ? t - pushers : t;  // < 0: this thread pushes only
@@ -668,13 +739,14 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
 #pragma unroll
     for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) dirty = (b == previous) ? state[kStateDirty + b] : dirty;
     const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
-    for (int src = 0; src < world; ++src) {
-      if (src == rank) continue;  // nobody writes this rank's own slot
-      uint4* prev = own + previous * buffer_vecs + src * slot_vecs;
-      if (clearer < 0) continue;
-      for (int64_t i = static_cast<int64_t>(block) * clearers + clearer; i < dirty;
-           i += static_cast<int64_t>(nblocks) * clearers) {
-        prev[i] = empty;
+    if (clearer >= 0) {  // a pusher goes straight to its polls
+      for (int src = 0; src < world; ++src) {
+        if (src == rank) continue;  // nobody writes this rank's own slot
+        uint4* prev = own + previous * buffer_vecs + src * slot_vecs;
+        for (int64_t i = static_cast<int64_t>(block) * clearers + clearer; i < dirty;
+             i += static_cast<int64_t>(nblocks) * clearers) {
+          prev[i] = empty;
+        }
       }
     }
 #pragma unroll
@@ -811,7 +883,10 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
   // neither). Not in the block-per-row fused kernel: there the 4 registers it holds would
   // spill (the row split holds a quarter of that kernel's row).
   uint4 first_input = make_uint4(0, 0, 0, 0);
-  if constexpr (kRowSplit) cluster_arrive_relaxed();  // "started": see cluster_row_total
+  if constexpr (kRowSplit) {
+    expect_row_parts(sh);
+    cluster_arrive_relaxed();  // "started": see cluster_row_total
+  }
   constexpr bool preload = kVariant == SK_VARIANT_ONESHOT && (!kFused || kRowSplit);
   if constexpr (preload) {
     int64_t v0, v1;
