@@ -261,11 +261,12 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 }
 
 // Row split, at kernel start (before the opening cluster_arrive_relaxed): this block's
-// row_parts_arrived expects one 4-byte share from every block of the cluster, itself included.
+// row_parts_arrived expects one 4-byte share from every other block of the cluster (st.async
+// targets another CTA; a block keeps its own share in a register).
 __device__ void expect_row_parts(Shared& sh) {
   if (threadIdx.x == 0) {
     const uint32_t bar = shared_address(&sh.row_parts_arrived);
-    const uint32_t bytes = cooperative_groups::this_cluster().num_blocks() * sizeof(float);
+    const uint32_t bytes = (cooperative_groups::this_cluster().num_blocks() - 1) * sizeof(float);
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                  : "memory");
@@ -274,9 +275,11 @@ __device__ void expect_row_parts(Shared& sh) {
 }
 
 // The row split's one exchange: this block's share of the row's sum of squares goes into
-// every cluster block's row_parts[part] by st.async, which completes its bytes on that block's
-// row_parts_arrived; each block waits on its own barrier, then adds the shares in cluster-rank
-// order (the same bits in every block and on every rank). No cluster barrier and no fence on
+// every other cluster block's row_parts[part] by st.async, which completes its bytes on that
+// block's row_parts_arrived (release at cluster scope); each block waits on its own barrier
+// (relaxed at cluster scope, then one cluster-scope acquire fence restricted to shared memory,
+// the pairing PTX gives for st.async), then adds the shares in cluster-rank order, its own from
+// the register (the same bits in every block and on every rank). No cluster barrier and no fence on
 // the way (a release arrive is a GPU-scope MEMBAR, which waits for every store this thread
 // issued, the pushes to peers included). Called exactly once by every block of a row-split
 // launch (also one that gave up, with 0). The cluster_wait pairs with the kernel's opening
@@ -291,7 +294,7 @@ __device__ float cluster_row_total(Shared& sh, float part_sum) {
   const int part = static_cast<int>(cluster.block_rank());
   cluster_wait();
   const uint32_t bar = shared_address(&sh.row_parts_arrived);
-  if (static_cast<int>(threadIdx.x) < parts) {
+  if (static_cast<int>(threadIdx.x) < parts && static_cast<int>(threadIdx.x) != part) {
     const uint32_t to = threadIdx.x;
     uint32_t slot, remote_bar;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
@@ -305,14 +308,15 @@ __device__ float cluster_row_total(Shared& sh, float part_sum) {
   uint32_t arrived = 0;
   do {
     asm volatile(
-        "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [%1], 0; "
-        "selp.u32 %0, 1, 0, done; }"
+        "{ .reg .pred done; mbarrier.try_wait.parity.relaxed.cluster.shared::cta.b64 done, [%1], "
+        "0; selp.u32 %0, 1, 0, done; }"
         : "=r"(arrived)
         : "r"(bar)
         : "memory");
   } while (!arrived);
+  asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
   float total = 0.f;
-  for (int i = 0; i < parts; ++i) total += sh.row_parts[i];
+  for (int i = 0; i < parts; ++i) total += (i == part) ? part_sum : sh.row_parts[i];
   return total;
 }
 
