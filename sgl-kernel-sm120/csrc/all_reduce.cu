@@ -204,10 +204,12 @@ __device__ __forceinline__ void sum_ranks(float (&acc)[8], const uint4* slots, i
   }
 }
 
-// Sums of x[i] over the block, for each i. Also returns sh.abort as it stood between the two
-// barriers, so every thread of the block takes the same decision (a flag set by a poller of
-// these rows is seen by all; one set by a poller of the next rows by none).
-template <int kN>
+// Sums of x[i] over the block, for each i. Also returns sh.abort as it stood after the first
+// barrier, so every thread of the block takes the same decision (a flag set by a poller of
+// these rows is seen by all; one set by a poller of the next rows by none). kReused: a second
+// barrier, for a block that sums again (sh.red is reused by its next rows); the row split sums
+// once and skips it.
+template <int kN, bool kReused = true>
 __device__ void block_sums(float (&x)[kN], Shared& sh, bool& aborted) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
@@ -224,26 +226,13 @@ __device__ void block_sums(float (&x)[kN], Shared& sh, bool& aborted) {
     x[i] = total;
   }
   aborted = *reinterpret_cast<volatile int*>(&sh.abort) != 0;
-  __syncthreads();  // sh.red is reused by the next rows
+  if constexpr (kReused) __syncthreads();  // sh.red is reused by the next rows
 }
 
-// block_sum for a block that sums once (the row split): one barrier. sh.abort is read after
-// it, when every thread of the block has finished polling, so all threads see the same value.
-__device__ __forceinline__ float block_sum_once(float x, Shared& sh, bool& aborted) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  if (threadIdx.x % 32 == 0) sh.red[0][threadIdx.x / 32] = x;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += sh.red[0][w];
-  aborted = *reinterpret_cast<volatile int*>(&sh.abort) != 0;
-  return total;
-}
-
+template <bool kReused = true>
 __device__ __forceinline__ float block_sum(float x, Shared& sh, bool& aborted) {
   float one[1] = {x};
-  block_sums<1>(one, sh, aborted);
+  block_sums<1, kReused>(one, sh, aborted);
   return one[0];
 }
 
@@ -279,9 +268,9 @@ __device__ void expect_row_parts(Shared& sh) {
 // block's row_parts_arrived (release at cluster scope); each block waits on its own barrier
 // (relaxed at cluster scope, then one cluster-scope acquire fence restricted to shared memory,
 // the pairing PTX gives for st.async), then adds the shares in cluster-rank order, its own from
-// the register (the same bits in every block and on every rank). No cluster barrier and no fence on
-// the way (a release arrive is a GPU-scope MEMBAR, which waits for every store this thread
-// issued, the pushes to peers included). Called exactly once by every block of a row-split
+// the register (the same bits in every block and on every rank). No cluster barrier and no
+// release fence on the sending side (a release arrive is a GPU-scope MEMBAR, which waits for
+// every store this thread issued, the pushes to peers included). Called exactly once by every block of a row-split
 // launch (also one that gave up, with 0). The cluster_wait pairs with the kernel's opening
 // arrive: every block has started and set up its barrier before anyone stores into it. A
 // block leaves only after all shares have landed in its shared memory, so no store reaches an
@@ -496,7 +485,7 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
     }
   }
   bool aborted;
-  sum_sq = block_sum_once(sum_sq, sh, aborted);
+  sum_sq = block_sum<false>(sum_sq, sh, aborted);  // one row per block: no reuse
   const float total = cluster_row_total(sh, sum_sq);
   if (aborted) return false;
   const float scale = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
