@@ -452,9 +452,11 @@ template <typename T, typename SumOf>
 __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
   const int parts = static_cast<int>(cooperative_groups::this_cluster().num_blocks());
   const int part = static_cast<int>(cooperative_groups::this_cluster().block_rank());
-  const int row = blockIdx.x / parts;
+  uint32_t row;  // cluster c owns row c: its index without a division
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(row));
   const int row_vecs = p.hidden / kVecElems;
-  const int per_part = (row_vecs + parts - 1) / parts;
+  const int per_part = static_cast<int>((static_cast<uint32_t>(row_vecs) + parts - 1) /
+                                        static_cast<uint32_t>(parts));
   const int lo = part * per_part, hi = min(row_vecs, lo + per_part);
   const int64_t base = static_cast<int64_t>(row) * row_vecs;
   const uint4* residual_in = static_cast<const uint4*>(p.residual_in);
@@ -660,20 +662,24 @@ __device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh
 }
 
 // This block's share [v0, v1) of a one-shot message of nvec vectors (the same partition on
-// every rank: rank r's block b pushes exactly what every peer's block b polls); returns the
-// share size every block but the last has.
-__device__ __forceinline__ int64_t oneshot_share(int64_t nvec, int64_t& v0, int64_t& v1) {
+// every rank: rank r's block b pushes exactly what every peer's block b polls); per_block is
+// the share size every block but the last has. Computed once per kernel: its 64-bit division
+// is on the way to the first push.
+struct OneshotShare {
+  int64_t v0, v1, per_block;
+};
+
+__device__ __forceinline__ OneshotShare oneshot_share(int64_t nvec) {
   const int64_t per_block = (nvec + gridDim.x - 1) / gridDim.x;
-  v0 = min(nvec, static_cast<int64_t>(blockIdx.x) * per_block);
-  v1 = min(nvec, v0 + per_block);
-  return per_block;
+  const int64_t v0 = min(nvec, static_cast<int64_t>(blockIdx.x) * per_block);
+  return {v0, min(nvec, v0 + per_block), per_block};
 }
 
 // One-shot, Lamport-style (see the top of this file). `state` is this call's state; the
 // one-shot counter and dirty sizes in it are advanced here for the copies the kernel writes.
 template <typename T, bool kFused, bool kPreloaded, bool kRowSplit>
 __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS],
-                            const uint4& first_input) {
+                            const OneshotShare& share, const uint4& first_input) {
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
   const uint32_t epoch = state[kStateEpoch];
@@ -689,8 +695,7 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
   // Push this block's share (by bytes, like the plain reduction below) into every peer's
   // buffer, peer rank+1 first, so each rank starts on a different peer. Each vector is loaded
   // once (the first one before the call state was read, see all_reduce_kernel).
-  int64_t v0, v1;
-  const int64_t per_block = oneshot_share(nvec, v0, v1);
+  const int64_t v0 = share.v0, v1 = share.v1, per_block = share.per_block;
   // Unrolled over the peers (independent stores, no division for the wrap-around).
   const int64_t push_offset = current * buffer_vecs + rank * slot_vecs;
   auto push = [&](int64_t v, const uint4& value) {
@@ -713,17 +718,19 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
   stamp(p, 2);
 
   // Clear what peers wrote into the previous buffer (read in the previous call) while their
-  // data of this call is on its way. When a block has at most half as many vectors as threads
-  // (verify sizes), the threads without a vector clear, so the pushing threads go straight to
-  // their polls; otherwise every thread clears after its pushes (with fewer clearers a large
-  // previous call would leave each of them thousands of stores). The clearer count is the same
+  // data of this call is on its way. When a block's vectors leave at least one warp without a
+  // vector (verify sizes), those warps clear, so the pushing threads go straight to their
+  // polls; otherwise every thread clears after its pushes. At TP2, 16 tokens (448 vectors a
+  // block, two clearing warps) this took the fused call from 5.3 to 4.8 us (1x H200, ranks as
+  // streams); the largest one-shot previous call leaves a clearer at most ~64 stores (4 MiB
+  // over 128 blocks x 32 clearers), in one call. The clearer count is the same
   // in every block, so the blocks' shares tile [0, dirty). Roles go by whole warps: a warp
   // holding one pusher would make it wait for its clearing lanes. The negative control keeps
   // one buffer and never clears.
   uint4* own = static_cast<uint4*>(p.lamport[rank]);
   const int vector_threads = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
   const int pushers = min(SK_THREADS, (vector_threads + 31) / 32 * 32);
-  const bool split_roles = pushers <= SK_THREADS / 2;
+  const bool split_roles = pushers < SK_THREADS;
   const int clearers = split_roles ? SK_THREADS - pushers : SK_THREADS;
   const int clearer = split_roles ? t - pushers : t;  // < 0: this thread pushes only
   if (!single) {
@@ -881,10 +888,12 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
     cluster_arrive_relaxed();  // "started": see cluster_row_total
   }
   constexpr bool preload = kVariant == SK_VARIANT_ONESHOT && (!kFused || kRowSplit);
+  OneshotShare share{0, 0, 0};
+  if constexpr (kVariant == SK_VARIANT_ONESHOT) share = oneshot_share(p.numel / kVecElems);
   if constexpr (preload) {
-    int64_t v0, v1;
-    oneshot_share(p.numel / kVecElems, v0, v1);
-    if (v0 + threadIdx.x < v1) first_input = static_cast<const uint4*>(p.input)[v0 + threadIdx.x];
+    if (share.v0 + threadIdx.x < share.v1) {
+      first_input = static_cast<const uint4*>(p.input)[share.v0 + threadIdx.x];
+    }
   }
   const uint4* my_state = reinterpret_cast<const uint4*>(states + blockIdx.x * SK_STATE_WORDS);
   const uint4 s0 = my_state[0], s1 = my_state[1];
@@ -898,7 +907,7 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const SkLaunc
   stamp(p, 1);
   if (!sh.abort) {
     if constexpr (kVariant == SK_VARIANT_ONESHOT) {
-      run_oneshot<T, kFused, preload, kRowSplit>(p, sh, state, first_input);
+      run_oneshot<T, kFused, preload, kRowSplit>(p, sh, state, share, first_input);
     } else {
       const int parity = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER)
                              ? 0
