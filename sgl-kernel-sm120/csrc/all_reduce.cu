@@ -1027,6 +1027,38 @@ SK_EXPORT int sk_max_resident_blocks(int device, int* blocks) {
   });
 }
 
+// A row-split launch is one cluster per row, and a cluster's blocks are scheduled together
+// on one GPC: how many fit at once is cudaOccupancyMaxActiveClusters, not blocks per SM x SMs.
+SK_EXPORT int sk_max_active_clusters(int device, int cluster_size, int* clusters) {
+  if (cluster_size < 2 || cluster_size > SK_MAX_ROW_BLOCKS) return cudaErrorInvalidValue;
+  return on_device(device, [&]() -> int {
+    const KernelFn row_split[] = {
+        all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, true, true>,
+        all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true, true>,
+    };
+    cudaLaunchAttribute cluster[1];
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = static_cast<unsigned>(cluster_size);
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(cluster_size), 1, 1);
+    config.blockDim = dim3(SK_THREADS, 1, 1);
+    config.attrs = cluster;
+    config.numAttrs = 1;
+    int fewest = 1 << 30;
+    for (KernelFn fn : row_split) {
+      int n = 0;
+      const cudaError_t err =
+          cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(fn), &config);
+      if (err != cudaSuccess) return err;
+      fewest = n < fewest ? n : fewest;
+    }
+    *clusters = fewest;
+    return cudaSuccess;
+  });
+}
+
 SK_EXPORT int sk_alloc_zeroed(int device, size_t bytes, void** ptr) {
   return on_device(device, [&]() -> int {
     cudaError_t err = cudaMalloc(ptr, bytes);

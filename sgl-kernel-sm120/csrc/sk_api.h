@@ -12,7 +12,7 @@
 extern "C" {
 #endif
 
-#define SK_ABI_VERSION 4
+#define SK_ABI_VERSION 5
 #define SK_MAX_RANKS 8
 #define SK_MAX_BLOCKS 128
 #define SK_THREADS 512
@@ -102,6 +102,9 @@ int sk_device_by_pci_bus_id(const char* bus_id, int* device);
 int sk_can_access_peer(int device, int peer_device, int* can_access);
 // Blocks of the launch kernel that fit on the device at once (occupancy x SMs).
 int sk_max_resident_blocks(int device, int* blocks);
+// Clusters of cluster_size (2..SK_MAX_ROW_BLOCKS) blocks of the row-split kernel that fit
+// on the device at once (cudaOccupancyMaxActiveClusters).
+int sk_max_active_clusters(int device, int cluster_size, int* clusters);
 
 int sk_alloc_zeroed(int device, size_t bytes, void** ptr);
 // Sets `bytes` bytes at ptr to `value` and waits (one-shot buffers start as all 0xFF).

@@ -286,6 +286,35 @@ def test_variant_is_chosen_by_size_with_default_thresholds(world_size):
         ranks.close()
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_row_split_grids_fit_the_clusters_this_gpu_holds_beside_the_other_ranks(world_size):
+    from sgl_kernel_sm120.workspace import _resident_clusters
+
+    clusters = _resident_clusters(torch.cuda.current_device())
+    assert all(n > 0 for n in clusters.values()), clusters
+    ranks = _make_ranks(world_size, max_tokens=64)
+    try:
+        tuning = ranks.workspaces[0].tuning
+        for k, n in clusters.items():
+            bound = min(tuning.max_blocks, config.MAX_ROW_SPLIT_BLOCKS, n // world_size * k)
+            assert tuning.row_split_blocks[k] == bound, (k, n, tuning)
+        for tokens in (1, 2, 4, 8, 16, 32, 64):
+            per_row = config.row_blocks(tokens, 7168, _lib.VARIANT_ONESHOT, tuning)
+            if per_row > 1:
+                assert tokens * per_row * world_size <= clusters[per_row] * per_row
+            if tokens * 7168 * 2 > tuning.oneshot_max_bytes:
+                continue
+            xs, residual, weight = _inputs(world_size, tokens, 7168, torch.bfloat16, seed=tokens)
+            outs = ranks.run(
+                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
+                    xs[r], res, w, EPS, ws, variant="oneshot"
+                )
+            )
+            _check_fused(ranks, xs, residual, weight, outs, f"fused {tokens}, {per_row} per row")
+    finally:
+        ranks.close()
+
+
 def test_back_to_back_calls_of_different_sizes_without_sync(forced_ranks):
     world_size = forced_ranks.world_size
     sequence = [

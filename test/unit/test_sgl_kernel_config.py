@@ -134,9 +134,11 @@ def test_fused_call_splits_only_when_a_block_would_own_several_rows(
     ("rows", "hidden", "variant", "max_blocks", "expected"),
     [
         (1, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 896 vectors: 4 slices of 224
-        (8, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 32 blocks: the measured bound
-        (16, 7168, _lib.VARIANT_ONESHOT, 128, 2),  # 64 blocks lost on the H200: 2 slices
-        (17, 7168, _lib.VARIANT_ONESHOT, 128, 1),  # not even 2 slices fit 32 blocks
+        (8, 7168, _lib.VARIANT_ONESHOT, 128, 4),
+        (16, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 64 blocks: MAX_ROW_SPLIT_BLOCKS
+        (17, 7168, _lib.VARIANT_ONESHOT, 128, 2),  # powers of two only: not 3
+        (32, 7168, _lib.VARIANT_ONESHOT, 128, 2),
+        (33, 7168, _lib.VARIANT_ONESHOT, 128, 1),  # not even 2 slices fit 64 blocks
         (16, 7168, _lib.VARIANT_ONESHOT, 16, 1),  # 8 ranks sharing one H200: 16 blocks each
         (4, 7168, _lib.VARIANT_ONESHOT, 16, 4),
         (6, 7168, _lib.VARIANT_ONESHOT, 16, 2),
@@ -151,6 +153,28 @@ def test_row_blocks_splits_small_one_shot_rows_across_a_cluster(
 ):
     tuning = sk.resolve_tuning(2, max_blocks=max_blocks)
     assert config.row_blocks(rows, hidden, variant, tuning) == expected
+
+
+def test_row_split_is_bounded_by_the_clusters_the_gpu_holds_beside_the_other_ranks():
+    # 8 clusters of each size at once, 2 ranks sharing the GPU: 4 clusters each.
+    clusters = dict.fromkeys(range(2, config.MAX_ROW_BLOCKS + 1), 8)
+    tuning = sk.resolve_tuning(2, resident_clusters=clusters, ranks_per_gpu=2)
+    assert tuning.row_split_blocks[4] == 16 and tuning.row_split_blocks[2] == 8
+    assert config.row_blocks(1, 7168, _lib.VARIANT_ONESHOT, tuning) == 4
+    assert config.row_blocks(4, 7168, _lib.VARIANT_ONESHOT, tuning) == 4  # 16 blocks
+    assert config.row_blocks(8, 7168, _lib.VARIANT_ONESHOT, tuning) == 1  # 16 > 8 in pairs
+    alone = sk.resolve_tuning(2, resident_clusters=clusters, ranks_per_gpu=1)
+    assert config.row_blocks(8, 7168, _lib.VARIANT_ONESHOT, alone) == 4  # 32 of 32
+    # No cluster of the size fits at all: that size is never chosen (nor 3: powers of two).
+    none_of_4 = {**clusters, 4: 0}
+    tuning = sk.resolve_tuning(2, resident_clusters=none_of_4, ranks_per_gpu=1)
+    assert config.row_blocks(1, 7168, _lib.VARIANT_ONESHOT, tuning) == 2
+    # The 1x H200 as measured (sk_max_active_clusters), 2 ranks: 30 clusters of 4 hold 15
+    # rows each, so 16 tokens take 2 slices (4.8 us) where 64 blocks of 4 would not all fit.
+    h200 = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
+    tuning = sk.resolve_tuning(2, resident_blocks=132, resident_clusters=h200, ranks_per_gpu=2)
+    picks = [config.row_blocks(n, 7168, _lib.VARIANT_ONESHOT, tuning) for n in (8, 15, 16, 32, 33)]
+    assert picks == [4, 4, 2, 2, 1]
 
 
 def test_row_blocks_matches_the_kernels_cluster_bound():

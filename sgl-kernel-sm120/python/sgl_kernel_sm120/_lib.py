@@ -14,7 +14,7 @@ from pathlib import Path
 from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_RANKS = 8
 MAX_BLOCKS = 128
 THREADS = 512
@@ -115,6 +115,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sk_device_by_pci_bus_id": [ctypes.c_char_p, pi32],
         "sk_can_access_peer": [i32, i32, pi32],
         "sk_max_resident_blocks": [i32, pi32],
+        "sk_max_active_clusters": [i32, i32, pi32],
         "sk_alloc_zeroed": [i32, sz, pvp],
         "sk_fill": [i32, vp, i32, sz],
         "sk_free": [i32, vp],
@@ -146,12 +147,13 @@ def lib() -> ctypes.CDLL:
             f"or point ${ENV_LIBRARY} at a built {LIBRARY_NAME}"
         )
     handle = ctypes.CDLL(str(path))
-    _declare(handle)
+    handle.sk_abi_version.restype = ctypes.c_int  # first: an older library lacks newer symbols
     if handle.sk_abi_version() != ABI_VERSION:
         raise LibraryError(
             f"{path} has ABI {handle.sk_abi_version()}, the Python code expects {ABI_VERSION}: "
             "rebuild the package"
         )
+    _declare(handle)
     if handle.sk_params_size() != ctypes.sizeof(LaunchParams):
         raise LibraryError(
             f"{path}: SkLaunchParams is {handle.sk_params_size()} bytes, the ctypes mirror "

@@ -8,6 +8,7 @@ settings that `CommWorkspace.create` checks to be equal across ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import _lib, env
@@ -108,6 +109,8 @@ class Tuning:
     max_blocks: int
     timeout_ms: int
     fused_rows_per_block: int | None = None  # None: the measured default (split_fused)
+    # Most blocks a row-split grid of k blocks per row may have, indexed by k (row_split_caps).
+    row_split_blocks: tuple[int, ...] = ()
 
 
 def resolve_tuning(
@@ -119,6 +122,7 @@ def resolve_tuning(
     timeout_ms: int | None = None,
     fused_rows_per_block: int | None = None,
     resident_blocks: int | None = None,
+    resident_clusters: Mapping[int, int] | None = None,
     ranks_per_gpu: int = 1,
 ) -> Tuning:
     """Explicit argument > environment variable > default, for each setting.
@@ -126,6 +130,8 @@ def resolve_tuning(
     The default block cap keeps every rank's grid resident at once when `ranks_per_gpu` ranks
     share one GPU (`resident_blocks` is what one GPU holds): the kernels spin on their peers,
     so a rank whose blocks cannot be scheduled would stall everyone until the timeout.
+    `resident_clusters` (cluster size -> clusters the GPU holds at once) bounds the row split
+    the same way (row_split_caps).
     """
     check_world_size(world_size)
     oneshot = _setting("oneshot_max_bytes", oneshot_max_bytes, MAX_MESSAGE_BYTES)
@@ -160,6 +166,7 @@ def resolve_tuning(
         max_blocks=blocks,
         timeout_ms=timeout,
         fused_rows_per_block=rows_per_block,
+        row_split_blocks=row_split_caps(blocks, resident_clusters, ranks_per_gpu),
     )
 
 
@@ -271,11 +278,29 @@ def split_fused(rows: int, blocks: int, tuning: Tuning, variant: int) -> bool:
     return math.ceil(rows / blocks) > bound
 
 
-MAX_ROW_BLOCKS = 8  # SK_MAX_ROW_BLOCKS: the portable thread-block cluster size
+MAX_ROW_BLOCKS = 8  # SK_MAX_ROW_BLOCKS: the portable cluster size
 ROW_SLICE_VECTORS = 256  # a row slice of at least this many 16-byte vectors per block
-# 1x H200, ranks as streams, hidden 7168: split rows won at 1-8 tokens (up to 32 blocks) and
-# lost at 16 tokens on 64 blocks (world 2: 9.5 us against 6.1 with a block per row).
-MAX_ROW_SPLIT_BLOCKS = 32
+# 1x H200, ranks as streams, world 2, hidden 7168: split rows won up to 64 blocks (32 tokens
+# in 2 slices: 4.8 us against 6.2 with a block per row), where the clusters fit at once.
+MAX_ROW_SPLIT_BLOCKS = 64
+
+
+def row_split_caps(
+    max_blocks: int, resident_clusters: Mapping[int, int] | None, ranks_per_gpu: int
+) -> tuple[int, ...]:
+    """For k = 0..MAX_ROW_BLOCKS, the most blocks a row-split grid of k blocks per row may
+    have: the grid cap, MAX_ROW_SPLIT_BLOCKS and, where the GPU's cluster occupancy is known,
+    what fits at once beside the other ranks' grids on that GPU. A cluster is placed whole
+    on one GPC, so fewer blocks fit in clusters than blocks per SM x SMs; blocks that wait
+    for a peer's blocks that cannot be scheduled stall the call (1x H200, world 2, 16 tokens
+    in 4 slices: 7.6 us against 4.8 in 2)."""
+    caps = []
+    for k in range(MAX_ROW_BLOCKS + 1):
+        cap = min(max_blocks, MAX_ROW_SPLIT_BLOCKS)
+        if resident_clusters is not None and k >= 2:
+            cap = min(cap, resident_clusters.get(k, 0) // max(1, ranks_per_gpu) * k)
+        caps.append(cap)
+    return tuple(caps)
 
 
 def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
@@ -285,14 +310,19 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
     One block reducing a whole row is what made the fused call ~2 us slower than the plain
     all-reduce at 1-16 tokens (1x H200, ranks as streams): the plain one spreads the same
     vectors over the grid. A row is split into slices of at least ROW_SLICE_VECTORS vectors
-    (hidden 7168: 4 blocks of 224), fewer where rows x slices would pass the grid cap
-    (16 rows: 2 slices of 448), none where even 2 would.
+    (hidden 7168: 4 blocks of 224), in a power of two of them, halved where rows x slices
+    would pass the grid cap for that cluster size (Tuning.row_split_blocks), none where even
+    2 would. Powers of two only: 1x H200, world 2, 16 tokens in 3 slices of 299 vectors took
+    5.3 us, in 2 slices of 448 4.8 (two device calls), with the clusters of 3 fitting.
     """
     if variant != _lib.VARIANT_ONESHOT:
         return 1
     row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
-    cap = min(tuning.max_blocks, MAX_ROW_SPLIT_BLOCKS)
-    per_row = min(MAX_ROW_BLOCKS, math.ceil(row_vecs / ROW_SLICE_VECTORS), cap // rows)
+    caps = tuning.row_split_blocks or row_split_caps(tuning.max_blocks, None, 1)
+    wanted = min(MAX_ROW_BLOCKS, math.ceil(row_vecs / ROW_SLICE_VECTORS))
+    per_row = 1 << (wanted.bit_length() - 1)  # the largest power of two <= wanted
+    while per_row >= 2 and rows * per_row > caps[per_row]:
+        per_row //= 2
     return per_row if per_row >= 2 else 1
 
 

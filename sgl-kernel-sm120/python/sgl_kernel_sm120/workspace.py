@@ -25,6 +25,7 @@ from . import _lib
 from .config import (
     CONTROL_OFFSET,
     ELEMENT_BYTES,
+    MAX_ROW_BLOCKS,
     Tuning,
     WorkspaceLayout,
     check_world_size,
@@ -80,6 +81,19 @@ def _resident_blocks(device_index: int) -> int:
         _lib.lib().sk_max_resident_blocks(device_index, ctypes.byref(blocks)), "occupancy query"
     )
     return blocks.value
+
+
+def _resident_clusters(device_index: int) -> dict[int, int]:
+    """Row-split clusters of each size the GPU holds at once (sk_max_active_clusters)."""
+    lib, clusters = _lib.lib(), {}
+    for size in range(2, MAX_ROW_BLOCKS + 1):
+        n = ctypes.c_int(0)
+        _lib.check(
+            lib.sk_max_active_clusters(device_index, size, ctypes.byref(n)),
+            "cluster occupancy query",
+        )
+        clusters[size] = n.value
+    return clusters
 
 
 def _alloc(device_index: int, layout: WorkspaceLayout) -> int:
@@ -185,6 +199,7 @@ class CommWorkspace:
             timeout_ms=timeout_ms,
             fused_rows_per_block=fused_rows_per_block,
             resident_blocks=_resident_blocks(device.index),
+            resident_clusters=_resident_clusters(device.index),
             ranks_per_gpu=world_size,
         )
         layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
@@ -238,7 +253,11 @@ class CommWorkspace:
         try:
             max_bytes = _max_bytes(max_tokens, hidden, dtype)
             _lib.check(_lib.lib().sk_preload(dev), "kernel preload")
-            info = {"bus_id": _pci_bus_id(dev), "resident": _resident_blocks(dev)}
+            info = {
+                "bus_id": _pci_bus_id(dev),
+                "resident": _resident_blocks(dev),
+                "clusters": _resident_clusters(dev),
+            }
         except Exception as exc:  # reported collectively below
             error = f"rank {rank}: {exc}"
         infos = _agree(group, error, info, "gathering device facts")
@@ -254,6 +273,9 @@ class CommWorkspace:
                 timeout_ms=timeout_ms,
                 fused_rows_per_block=fused_rows_per_block,
                 resident_blocks=min(i["resident"] for i in infos),
+                resident_clusters={
+                    k: min(i["clusters"][k] for i in infos) for k in infos[0]["clusters"]
+                },
                 ranks_per_gpu=ranks_per_gpu,
             )
             settings = (
@@ -262,6 +284,7 @@ class CommWorkspace:
                 tuning.block_bytes,
                 tuning.max_blocks,
                 tuning.fused_rows_per_block,
+                tuning.row_split_blocks,
             )
         except Exception as exc:
             error = f"rank {rank}: {exc}"
@@ -269,7 +292,7 @@ class CommWorkspace:
         if len(set(all_settings)) != 1:
             raise WorkspaceError(
                 "ranks disagree on (max_bytes, oneshot_max_bytes, block_bytes, max_blocks, "
-                "fused_rows_per_block): "
+                "fused_rows_per_block, row_split_blocks): "
                 f"{all_settings}; use the same arguments and SGLANG_SM120_* variables"
             )
 
