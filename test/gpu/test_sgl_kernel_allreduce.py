@@ -115,6 +115,19 @@ def _check_fused(ranks: LocalRanks, xs, residual, weight, outs, what: str) -> No
     _assert_identical([r for _, r in outs], what + " residual_out")
 
 
+def _fused_matches_reference(
+    ranks: LocalRanks, tokens: int, hidden: int, variant: str, seed: int, what: str
+) -> None:
+    """One fused call of `variant` on every rank, checked against the fp32 reference."""
+    xs, residual, weight = _inputs(ranks.world_size, tokens, hidden, torch.bfloat16, seed=seed)
+    outs = ranks.run(
+        lambda r, ws: sk.fused_allreduce_add_rmsnorm(
+            xs[r], residual, weight, EPS, ws, variant=variant
+        )
+    )
+    _check_fused(ranks, xs, residual, weight, outs, what)
+
+
 @pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
 def test_all_reduce_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
     n = forced_ranks.world_size
@@ -181,13 +194,8 @@ def test_two_shot_epilogue_taking_several_rows_per_pass_matches_reference(world_
             assert tokens > blocks and not sk.split_fused(
                 tokens, blocks, ranks.workspaces[0].tuning, variant
             )
-            xs, residual, weight = _inputs(world_size, tokens, hidden, torch.bfloat16, seed=hidden)
-            outs = ranks.run(
-                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
-                    xs[r], res, w, EPS, ws, variant="twoshot"
-                )
-            )
-            _check_fused(ranks, xs, residual, weight, outs, f"rows per pass {hidden} {tokens}")
+            what = f"rows per pass {hidden} {tokens}"
+            _fused_matches_reference(ranks, tokens, hidden, "twoshot", seed=hidden, what=what)
     finally:
         ranks.close()
 
@@ -304,13 +312,8 @@ def test_row_split_grids_fit_the_clusters_this_gpu_holds_beside_the_other_ranks(
                 assert tokens * per_row * world_size <= clusters[per_row] * per_row
             if tokens * 7168 * 2 > tuning.oneshot_max_bytes:
                 continue
-            xs, residual, weight = _inputs(world_size, tokens, 7168, torch.bfloat16, seed=tokens)
-            outs = ranks.run(
-                lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
-                    xs[r], res, w, EPS, ws, variant="oneshot"
-                )
-            )
-            _check_fused(ranks, xs, residual, weight, outs, f"fused {tokens}, {per_row} per row")
+            what = f"fused {tokens}, {per_row} per row"
+            _fused_matches_reference(ranks, tokens, 7168, "oneshot", seed=tokens, what=what)
     finally:
         ranks.close()
 
