@@ -720,24 +720,29 @@ __device__ void run_oneshot(const SkLaunchParams& p, Shared& sh, uint32_t (&stat
   // Clear what peers wrote into the previous buffer (read in the previous call) while their
   // data of this call is on its way. When a block's vectors leave at least one warp without a
   // vector (verify sizes), those warps clear, so the pushing threads go straight to their
-  // polls; otherwise every thread clears after its pushes. At TP2, 16 tokens (448 vectors a
-  // block, two clearing warps) this took the fused call from 5.3 to 4.8 us (1x H200, ranks as
-  // streams); the largest one-shot previous call leaves a clearer at most ~64 stores (4 MiB
-  // over 128 blocks x 32 clearers), in one call. The clearer count is the same
-  // in every block, so the blocks' shares tile [0, dirty). Roles go by whole warps: a warp
-  // holding one pusher would make it wait for its clearing lanes. The negative control keeps
-  // one buffer and never clears.
+  // polls: at TP2, 16 tokens (448 vectors a block, two clearing warps) this took the fused call
+  // from 5.3 to 4.8 us (1x H200, ranks as streams). Otherwise, and when the previous call left
+  // more than kMaxSplitClears vectors per peer slot for each such clearer (a prefill before a
+  // verify step), every thread clears after its pushes. dirty, and so the clearer count, is
+  // the same in every block, so the blocks' shares tile [0, dirty). Roles go by whole warps: a
+  // warp holding one pusher would make it wait for its clearing lanes. The negative control
+  // keeps one buffer and never clears.
+  constexpr int64_t kMaxSplitClears = 8;
   uint4* own = static_cast<uint4*>(p.lamport[rank]);
-  const int vector_threads = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
-  const int pushers = min(SK_THREADS, (vector_threads + 31) / 32 * 32);
-  const bool split_roles = pushers < SK_THREADS;
-  const int clearers = split_roles ? SK_THREADS - pushers : SK_THREADS;
-  const int clearer = split_roles ? t - pushers : t;  // < 0: this thread pushes only
+  int64_t dirty = 0;  // vectors per peer slot the previous call wrote into its buffer
   if (!single) {
     // Constant indices only (a runtime index would put `state` in local memory).
-    int64_t dirty = 0;
 #pragma unroll
     for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) dirty = (b == previous) ? state[kStateDirty + b] : dirty;
+  }
+  const int vector_threads = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
+  const int pushers = min(SK_THREADS, (vector_threads + 31) / 32 * 32);
+  const int spare = SK_THREADS - pushers;
+  const bool split_roles =
+      spare > 0 && dirty <= kMaxSplitClears * static_cast<int64_t>(nblocks) * spare;
+  const int clearers = split_roles ? spare : SK_THREADS;
+  const int clearer = split_roles ? t - pushers : t;  // < 0: this thread pushes only
+  if (!single) {
     const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
     if (clearer >= 0) {  // a pusher goes straight to its polls
       for (int src = 0; src < world; ++src) {
@@ -1051,7 +1056,10 @@ SK_EXPORT int sk_max_active_clusters(int device, int cluster_size, int* clusters
       int n = 0;
       const cudaError_t err =
           cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(fn), &config);
-      if (err != cudaSuccess) return err;
+      if (err != cudaSuccess) {
+        cudaGetLastError();  // the caller treats a failed query as "none fit": leave no error
+        return err;
+      }
       fewest = n < fewest ? n : fewest;
     }
     *clusters = fewest;

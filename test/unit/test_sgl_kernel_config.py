@@ -177,6 +177,28 @@ def test_row_split_is_bounded_by_the_clusters_the_gpu_holds_beside_the_other_ran
     assert picks == [4, 4, 2, 2, 1]
 
 
+def test_a_cluster_query_that_fails_counts_as_none_fitting_not_as_an_error(monkeypatch):
+    from sgl_kernel_sm120 import workspace
+
+    class Library:
+        def sk_max_active_clusters(self, device, size, out):
+            if size == 4:
+                return 1  # cudaErrorInvalidValue, as an SM without clusters of 4 might say
+            out._obj.value = 10 * size
+            return 0
+
+    monkeypatch.setattr(workspace._lib, "lib", lambda: Library())
+    clusters = workspace._resident_clusters(0)
+    assert clusters == {2: 20, 4: 0, 8: 80}
+    tuning = sk.resolve_tuning(2, resident_clusters=clusters, ranks_per_gpu=1)
+    assert config.row_blocks(1, 7168, _lib.VARIANT_ONESHOT, tuning) == 2  # 4 refused, 2 fits
+
+
+def test_a_hand_built_tuning_without_row_split_bounds_gets_the_grid_bounds():
+    tuning = sk.Tuning(oneshot_max_bytes=1 << 20, block_bytes=4096, max_blocks=128, timeout_ms=1)
+    assert config.row_blocks(16, 7168, _lib.VARIANT_ONESHOT, tuning) == 4
+
+
 def test_row_blocks_matches_the_kernels_cluster_bound():
     kernel_sources = Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "csrc"
     header = (kernel_sources / "sk_api.h").read_text()

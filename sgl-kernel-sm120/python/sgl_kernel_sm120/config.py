@@ -279,6 +279,7 @@ def split_fused(rows: int, blocks: int, tuning: Tuning, variant: int) -> bool:
 
 
 MAX_ROW_BLOCKS = 8  # SK_MAX_ROW_BLOCKS: the portable cluster size
+ROW_SPLIT_SIZES = (2, 4, 8)  # the blocks per row row_blocks chooses from (powers of two)
 ROW_SLICE_VECTORS = 256  # a row slice of at least this many 16-byte vectors per block
 # 1x H200, ranks as streams, world 2, hidden 7168: split rows won up to 64 blocks (32 tokens
 # in 2 slices: 4.8 us against 6.2 with a block per row), where the clusters fit at once.
@@ -318,7 +319,9 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
     if variant != _lib.VARIANT_ONESHOT:
         return 1
     row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
-    caps = tuning.row_split_blocks or row_split_caps(tuning.max_blocks, None, 1)
+    caps = tuning.row_split_blocks
+    if len(caps) != MAX_ROW_BLOCKS + 1:  # a Tuning built by hand: the grid bounds alone
+        caps = row_split_caps(tuning.max_blocks, None, 1)
     wanted = min(MAX_ROW_BLOCKS, math.ceil(row_vecs / ROW_SLICE_VECTORS))
     per_row = 1 << (wanted.bit_length() - 1)  # the largest power of two <= wanted
     while per_row >= 2 and rows * per_row > caps[per_row]:

@@ -25,7 +25,7 @@ from . import _lib
 from .config import (
     CONTROL_OFFSET,
     ELEMENT_BYTES,
-    MAX_ROW_BLOCKS,
+    ROW_SPLIT_SIZES,
     Tuning,
     WorkspaceLayout,
     check_world_size,
@@ -84,15 +84,15 @@ def _resident_blocks(device_index: int) -> int:
 
 
 def _resident_clusters(device_index: int) -> dict[int, int]:
-    """Row-split clusters of each size the GPU holds at once (sk_max_active_clusters)."""
-    lib, clusters = _lib.lib(), {}
-    for size in range(2, MAX_ROW_BLOCKS + 1):
+    """Row-split clusters of each size row_blocks can choose (powers of two) that the GPU
+    holds at once (sk_max_active_clusters). A size whose query fails counts as none fitting:
+    the row split is an optimisation, and a block per row is always there."""
+    lib = _lib.lib()
+    clusters: dict[int, int] = {}
+    for size in ROW_SPLIT_SIZES:
         n = ctypes.c_int(0)
-        _lib.check(
-            lib.sk_max_active_clusters(device_index, size, ctypes.byref(n)),
-            "cluster occupancy query",
-        )
-        clusters[size] = n.value
+        failed = lib.sk_max_active_clusters(device_index, size, ctypes.byref(n)) != 0
+        clusters[size] = 0 if failed else n.value
     return clusters
 
 
