@@ -1032,6 +1032,16 @@ SK_EXPORT int sk_max_resident_blocks(int device, int* blocks) {
   });
 }
 
+// The launch attribute of a 1-D thread-block cluster of `size` blocks (the row split).
+static cudaLaunchAttribute cluster_of(int size) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(size);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
 // A row-split launch is one cluster per row, and a cluster's blocks are scheduled together
 // on one GPC: how many fit at once is cudaOccupancyMaxActiveClusters, not blocks per SM x SMs.
 SK_EXPORT int sk_max_active_clusters(int device, int cluster_size, int* clusters) {
@@ -1041,11 +1051,7 @@ SK_EXPORT int sk_max_active_clusters(int device, int cluster_size, int* clusters
         all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, true, true>,
         all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true, true>,
     };
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = static_cast<unsigned>(cluster_size);
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute cluster[1] = {cluster_of(cluster_size)};
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(static_cast<unsigned>(cluster_size), 1, 1);
     config.blockDim = dim3(SK_THREADS, 1, 1);
@@ -1168,11 +1174,7 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
     config.gridDim = dim3(p.blocks);
     config.blockDim = dim3(SK_THREADS);
     config.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = static_cast<unsigned>(p.row_blocks);
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute cluster[1] = {cluster_of(p.row_blocks)};
     config.attrs = cluster;
     config.numAttrs = row_split ? 1 : 0;
     return cudaLaunchKernelEx(&config, fn, p);

@@ -322,11 +322,11 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
     caps = tuning.row_split_blocks
     if len(caps) != MAX_ROW_BLOCKS + 1:  # a Tuning built by hand: the grid bounds alone
         caps = row_split_caps(tuning.max_blocks, None, 1)
-    wanted = min(MAX_ROW_BLOCKS, math.ceil(row_vecs / ROW_SLICE_VECTORS))
-    per_row = 1 << (wanted.bit_length() - 1)  # the largest power of two <= wanted
-    while per_row >= 2 and rows * per_row > caps[per_row]:
-        per_row //= 2
-    return per_row if per_row >= 2 else 1
+    wanted = math.ceil(row_vecs / ROW_SLICE_VECTORS)
+    for per_row in reversed(ROW_SPLIT_SIZES):
+        if per_row <= wanted and rows * per_row <= caps[per_row]:
+            return per_row
+    return 1
 
 
 def choose_blocks(nbytes: int, tuning: Tuning) -> int:
