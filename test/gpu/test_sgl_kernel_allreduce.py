@@ -305,7 +305,7 @@ def test_row_split_grids_fit_the_clusters_this_gpu_holds_beside_the_other_ranks(
         tuning = ranks.workspaces[0].tuning
         for k, n in clusters.items():
             bound = min(tuning.max_blocks, config.MAX_ROW_SPLIT_BLOCKS, n // world_size * k)
-            assert tuning.row_split_blocks[k] == bound, (k, n, tuning)
+            assert tuning.row_split_cap(k) == bound, (k, n, tuning)
         for tokens in (1, 2, 4, 8, 16, 32, 64):
             per_row = config.row_blocks(tokens, 7168, _lib.VARIANT_ONESHOT, tuning)
             if per_row > 1:

@@ -159,7 +159,8 @@ def test_row_split_is_bounded_by_the_clusters_the_gpu_holds_beside_the_other_ran
     # 8 clusters of each size at once, 2 ranks sharing the GPU: 4 clusters each.
     clusters = dict.fromkeys(range(2, config.MAX_ROW_BLOCKS + 1), 8)
     tuning = sk.resolve_tuning(2, resident_clusters=clusters, ranks_per_gpu=2)
-    assert tuning.row_split_blocks[4] == 16 and tuning.row_split_blocks[2] == 8
+    assert tuning.row_split_blocks == ((2, 8), (4, 16), (8, 32))
+    assert tuning.row_split_cap(4) == 16 and tuning.row_split_cap(3) == 0
     assert config.row_blocks(1, 7168, _lib.VARIANT_ONESHOT, tuning) == 4
     assert config.row_blocks(4, 7168, _lib.VARIANT_ONESHOT, tuning) == 4  # 16 blocks
     assert config.row_blocks(8, 7168, _lib.VARIANT_ONESHOT, tuning) == 1  # 16 > 8 in pairs

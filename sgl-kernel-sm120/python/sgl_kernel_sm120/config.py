@@ -109,8 +109,15 @@ class Tuning:
     max_blocks: int
     timeout_ms: int
     fused_rows_per_block: int | None = None  # None: the measured default (split_fused)
-    # Most blocks a row-split grid of k blocks per row may have, indexed by k (row_split_caps).
-    row_split_blocks: tuple[int, ...] = ()
+    # (k, most blocks a row-split grid of k blocks per row may have), for each k in
+    # ROW_SPLIT_SIZES (row_split_caps); empty in a Tuning built by hand.
+    row_split_blocks: tuple[tuple[int, int], ...] = ()
+
+    def row_split_cap(self, per_row: int) -> int:
+        """Most blocks a grid of `per_row` blocks per row may have (0: never split so); a
+        Tuning built by hand, with no caps, has the grid bounds alone."""
+        caps = dict(self.row_split_blocks or row_split_caps(self.max_blocks, None, 1))
+        return caps.get(per_row, 0)
 
 
 def resolve_tuning(
@@ -288,19 +295,19 @@ MAX_ROW_SPLIT_BLOCKS = 64
 
 def row_split_caps(
     max_blocks: int, resident_clusters: Mapping[int, int] | None, ranks_per_gpu: int
-) -> tuple[int, ...]:
-    """For k = 0..MAX_ROW_BLOCKS, the most blocks a row-split grid of k blocks per row may
-    have: the grid cap, MAX_ROW_SPLIT_BLOCKS and, where the GPU's cluster occupancy is known,
-    what fits at once beside the other ranks' grids on that GPU. A cluster is placed whole
-    on one GPC, so fewer blocks fit in clusters than blocks per SM x SMs; blocks that wait
+) -> tuple[tuple[int, int], ...]:
+    """For each k in ROW_SPLIT_SIZES, (k, the most blocks a row-split grid of k blocks per row
+    may have): the grid cap, MAX_ROW_SPLIT_BLOCKS and, where the GPU's cluster occupancy is
+    known, what fits at once beside the other ranks' grids on that GPU. A cluster is placed
+    whole on one GPC, so fewer blocks fit in clusters than blocks per SM x SMs; blocks that wait
     for a peer's blocks that cannot be scheduled stall the call (1x H200, world 2, 16 tokens
     in 4 slices: 7.6 us against 4.8 in 2)."""
     caps = []
-    for k in range(MAX_ROW_BLOCKS + 1):
+    for k in ROW_SPLIT_SIZES:
         cap = min(max_blocks, MAX_ROW_SPLIT_BLOCKS)
-        if resident_clusters is not None and k >= 2:
+        if resident_clusters is not None:
             cap = min(cap, resident_clusters.get(k, 0) // max(1, ranks_per_gpu) * k)
-        caps.append(cap)
+        caps.append((k, cap))
     return tuple(caps)
 
 
@@ -319,12 +326,9 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
     if variant != _lib.VARIANT_ONESHOT:
         return 1
     row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
-    caps = tuning.row_split_blocks
-    if len(caps) != MAX_ROW_BLOCKS + 1:  # a Tuning built by hand: the grid bounds alone
-        caps = row_split_caps(tuning.max_blocks, None, 1)
     wanted = math.ceil(row_vecs / ROW_SLICE_VECTORS)
     for per_row in reversed(ROW_SPLIT_SIZES):
-        if per_row <= wanted and rows * per_row <= caps[per_row]:
+        if per_row <= wanted and rows * per_row <= tuning.row_split_cap(per_row):
             return per_row
     return 1
 
