@@ -6,6 +6,7 @@ sglang 0.5.22 wheel or tree is given (``SGLANG_SM120_PREVIOUS_SGLANG``), doctor 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from sglang_sm120.commands.doctor import plan_in_force
 from sglang_sm120.machine.facts import load_profile
 from sglang_sm120.planning.levers import allreduce_levers
-from sglang_sm120.planning.policy import Deployment, plan_allreduce
+from sglang_sm120.planning.policy import Deployment, plan_allreduce, upstream_decides
 from sglang_sm120.planning.upstream import FUSION_ARCHS
 from sglang_sm120.server import plugin
 from sglang_sm120.version import SGLANG_PIN, __version__
@@ -171,3 +172,25 @@ def test_doctor_on_a_real_previous_sglang_shows_upstream_decides(tmp_path):
     assert report["patches"]["engine_launch_plan"].startswith("not checked in the Engine")
     options = {row["switch"]: row for row in report["allreduce_options"]}
     assert options["SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"]["used"] is None
+
+
+def _fusion_advice(installed: str | None) -> tuple[str, str]:
+    """The fusion-backend option's why and if-set, for a plan left to upstream, on the 8x RTX
+    PRO 6000 profile with ``installed`` as the sglang the host reports."""
+    facts = dataclasses.replace(load_profile(PROFILE), versions={"sglang": installed})
+    plan = upstream_decides(f"sglang {installed} installed, sglang-sm120 supports {SGLANG_PIN}")
+    d = Deployment(tp_size=8, model_arch=KIMI)
+    rows = {row.switch: row for row in allreduce_levers(facts, d, plan, FUSION_ARCHS, None)}
+    fusion = rows["--flashinfer-allreduce-fusion-backend"]
+    return fusion.why, fusion.if_set
+
+
+def test_with_another_sglang_the_fusion_advice_says_whose_behaviour_it_states():
+    """What the options say of upstream's fusion is the pinned sglang's behaviour (the copied
+    tables are proven equal to it only): with another sglang installed, doctor says so instead
+    of stating it as that version's."""
+    why, if_set = _fusion_advice("0.5.22")
+    qualifier = f"sglang {SGLANG_PIN}'s behaviour; sglang 0.5.22 is installed, not checked"
+    assert qualifier in why and qualifier in if_set, (why, if_set)
+    why, if_set = _fusion_advice(SGLANG_PIN)
+    assert "not checked" not in why + if_set and "raises ValueError for SM12x" in if_set

@@ -35,6 +35,7 @@ from sglang_sm120.planning.upstream import (
     MSCCLPP_WORLD_SIZES,
     TORCH_SYMM_MEM_MAX_BYTES,
 )
+from sglang_sm120.version import SGLANG_PIN
 
 MSCCLPP_MISSING = (
     "the mscclpp package does not import (it is not on PyPI: build it from "
@@ -337,6 +338,16 @@ def _pcie_ipc(
     return Lever(switch, can, used, why, f"={int(flipped)}: {_changed(plan, other, reason)}")
 
 
+def _whose_behaviour(facts: HostFacts) -> str:
+    """What these rows say of upstream's fusion is the pinned sglang's behaviour (the tables
+    ``planning.upstream`` copies are proven equal to it only); "" unless the host reports
+    another sglang."""
+    installed = facts.versions.get("sglang")
+    if installed is None or installed == SGLANG_PIN:
+        return ""
+    return f" (sglang {SGLANG_PIN}'s behaviour; sglang {installed} is installed, not checked)"
+
+
 def _fusion_flags(
     facts: HostFacts, d: Deployment, plan: AllReducePlan, archs: Collection[str]
 ) -> tuple[Lever, Lever]:
@@ -344,6 +355,7 @@ def _fusion_flags(
     judged by planning again with each set."""
     backend_switch = "--flashinfer-allreduce-fusion-backend"
     disable_switch = "--enforce-disable-flashinfer-allreduce-fusion"
+    whose = _whose_behaviour(facts)
     if not plan.managed and {g.capability[0] for g in facts.gpus_at(d.first_tp_group())} == {12}:
         note = "upstream fuses on SM90/SM100 only: its auto-enable turns nothing on for SM12x"
         return (
@@ -351,14 +363,14 @@ def _fusion_flags(
                 backend_switch,
                 False,
                 False,
-                note,
+                note + whose,
                 "upstream's backend resolve raises ValueError for SM12x at warmup: the server "
-                "does not start",
+                "does not start" + whose,
             ),
-            Lever(disable_switch, True, None, note, "no change: fusion stays off"),
+            Lever(disable_switch, True, None, note + whose, "no change: fusion stays off"),
         )
     if not plan.managed:
-        note = "upstream decides (auto on SM90/SM100 for the architectures it fuses)"
+        note = "upstream decides (auto on SM90/SM100 for the architectures it fuses)" + whose
         return (
             Lever(backend_switch, None, None, note, "upstream's own rules"),
             Lever(disable_switch, True, None, note, "fusion off"),
