@@ -113,11 +113,13 @@ class Tuning:
     # ROW_SPLIT_SIZES (row_split_caps); empty in a Tuning built by hand.
     row_split_blocks: tuple[tuple[int, int], ...] = ()
 
+    def row_split_pairs(self) -> tuple[tuple[int, int], ...]:
+        """row_split_blocks, or for a Tuning built by hand (no caps) the grid bounds alone."""
+        return self.row_split_blocks or row_split_caps(self.max_blocks, None, 1)
+
     def row_split_cap(self, per_row: int) -> int:
-        """Most blocks a grid of `per_row` blocks per row may have (0: never split so); a
-        Tuning built by hand, with no caps, has the grid bounds alone."""
-        caps = dict(self.row_split_blocks or row_split_caps(self.max_blocks, None, 1))
-        return caps.get(per_row, 0)
+        """Most blocks a grid of `per_row` blocks per row may have (0: never split so)."""
+        return dict(self.row_split_pairs()).get(per_row, 0)
 
 
 def resolve_tuning(
@@ -327,8 +329,8 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
         return 1
     row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
     wanted = math.ceil(row_vecs / ROW_SLICE_VECTORS)
-    for per_row in reversed(ROW_SPLIT_SIZES):
-        if per_row <= wanted and rows * per_row <= tuning.row_split_cap(per_row):
+    for per_row, cap in reversed(tuning.row_split_pairs()):  # one walk: this runs per call
+        if per_row <= wanted and rows * per_row <= cap:
             return per_row
     return 1
 
