@@ -116,7 +116,7 @@ def _check_fused(ranks: LocalRanks, xs, residual, weight, outs, what: str) -> No
 
 
 def _fused_matches_reference(
-    ranks: LocalRanks, tokens: int, hidden: int, variant: str, seed: int, what: str
+    ranks: LocalRanks, tokens: int, hidden: int, variant: str | None, seed: int, what: str
 ) -> None:
     """One fused call of `variant` on every rank, checked against the fp32 reference."""
     xs, residual, weight = _inputs(ranks.world_size, tokens, hidden, torch.bfloat16, seed=seed)
@@ -176,6 +176,24 @@ def test_fused_split_into_all_reduce_and_norm_launches_matches_reference(world_s
                 )
             )
             _check_fused(ranks, xs, residual, weight, outs, f"split {variant} {tokens}")
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_two_shot_fused_with_whole_row_pieces_matches_reference(world_size, hidden):
+    """With at least one row of every chunk per block (4 blocks here), a two-shot fused call
+    reduces whole rows in each block and normalises them after waiting for that block index
+    alone. Row counts not divisible by the world size or the blocks, a last chunk shorter than
+    the others, and blocks whose piece is partly or wholly past the chunk's end included."""
+    ranks = _make_ranks(world_size, max_tokens=256, hidden=hidden, max_blocks=4)
+    try:
+        for tokens in (4 * world_size + 1, 8 * world_size - 1, 100, 255):
+            _, blocks = ranks.workspaces[0].plan(tokens * hidden * 2, _lib.VARIANT_TWOSHOT)
+            assert blocks == 4 and -(-tokens // world_size) >= blocks
+            what = f"whole-row pieces {hidden} {tokens}"
+            _fused_matches_reference(ranks, tokens, hidden, "twoshot", seed=tokens, what=what)
     finally:
         ranks.close()
 
@@ -359,26 +377,45 @@ def test_back_to_back_calls_of_different_sizes_without_sync(forced_ranks):
             _check_fused(forced_ranks, xs, residual, weight, outs, what)
 
 
-def _three_calls_with_slow_rank(variant: str, single_buffer: bool) -> list[float]:
+def _three_calls_with_slow_rank(
+    variant: str, single_buffer: bool, fused: bool = False, max_blocks: int | None = None
+) -> list[float]:
     """Rank 0 stalls 2 ms while it still has to read its buffers (one-shot: after its push;
     two-shot: after each wait); the other ranks go straight on to the next call. No end barrier
-    holds them back. Returns each result's violation."""
+    holds them back. Returns each result's violation (fused: of the normed output and of the
+    residual)."""
     world_size = 4
-    ranks = _make_ranks(world_size, max_tokens=64, hidden=2048, oneshot_max_bytes=64 * 2048 * 2)
+    ranks = _make_ranks(
+        world_size,
+        max_tokens=64,
+        hidden=2048,
+        oneshot_max_bytes=64 * 2048 * 2,
+        max_blocks=max_blocks,
+    )
     try:
         for ws in ranks.workspaces:
             ws._set_debug(single_buffer=single_buffer, delay_rank=0, delay_us=2000)
-        data = [_inputs(world_size, 64, 2048, torch.bfloat16, seed=s)[0] for s in range(3)]
-        per_rank = ranks.run(
-            lambda r, ws: [sk.all_reduce(xs[r], ws, variant=variant) for xs in data]
-        )
+        data = [_inputs(world_size, 64, 2048, torch.bfloat16, seed=s) for s in range(3)]
+
+        def call(r, ws, xs, residual, weight):
+            if fused:
+                return sk.fused_allreduce_add_rmsnorm(
+                    xs[r], residual, weight, EPS, ws, variant=variant
+                )
+            return (sk.all_reduce(xs[r], ws, variant=variant),)
+
+        per_rank = ranks.run(lambda r, ws: [call(r, ws, *inputs) for inputs in data])
         ranks.check_errors()
         rtol, _ = TOLERANCES[torch.bfloat16]
-        return [
-            max_violation(per_rank[r][i], reference_all_reduce(xs), rtol).item()
-            for i, xs in enumerate(data)
-            for r in range(world_size)
-        ]
+        violations = []
+        for i, (xs, residual, weight) in enumerate(data):
+            want = (
+                reference_fused(xs, residual, weight, EPS) if fused else (reference_all_reduce(xs),)
+            )
+            for r in range(world_size):
+                for got, expected in zip(per_rank[r][i], want, strict=True):
+                    violations.append(max_violation(got, expected, rtol).item())
+        return violations
     finally:
         ranks.close()
 
@@ -387,6 +424,15 @@ def _three_calls_with_slow_rank(variant: str, single_buffer: bool) -> list[float
 def test_no_rank_overwrites_a_buffer_a_slow_peer_still_reads(variant):
     _, atol = TOLERANCES[torch.bfloat16]
     violations = _three_calls_with_slow_rank(variant, single_buffer=False)
+    assert max(violations) <= atol, violations
+
+
+def test_fused_two_shot_with_whole_row_pieces_waits_for_a_slow_peer():
+    """The whole-row-piece epilogue waits for one block index of each rank, not for every
+    block: a slow rank's gather buffer must still not be overwritten by the next call (64 rows
+    over 4 ranks and 4 blocks: 4 rows a piece)."""
+    _, atol = TOLERANCES[torch.bfloat16]
+    violations = _three_calls_with_slow_rank("twoshot", False, fused=True, max_blocks=4)
     assert max(violations) <= atol, violations
 
 
