@@ -312,6 +312,23 @@ def test_variant_is_chosen_by_size_with_default_thresholds(world_size):
         ranks.close()
 
 
+def test_a_fused_call_one_shot_would_split_runs_two_shot_in_whole_row_pieces():
+    """Two ranks, three rows a block at one-shot size: the fused call left to the size runs
+    two-shot (config.fused_variant) in one launch, and matches the reference."""
+    ranks = _make_ranks(2, max_tokens=512)
+    try:
+        ws = ranks.workspaces[0]
+        tokens = 3 * ws.tuning.max_blocks
+        variant, blocks = ws.plan(tokens * 7168 * 2)
+        assert variant == _lib.VARIANT_ONESHOT
+        assert sk.split_fused(tokens, blocks, ws.tuning, variant)
+        chosen = config.fused_variant(tokens, 7168, variant, blocks, ws.tuning, ws.layout)
+        assert chosen == _lib.VARIANT_TWOSHOT
+        _fused_matches_reference(ranks, tokens, 7168, None, seed=tokens, what="auto fused")
+    finally:
+        ranks.close()
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_row_split_grids_fit_the_clusters_this_gpu_holds_beside_the_other_ranks(world_size):
     from sgl_kernel_sm120.workspace import _resident_clusters

@@ -131,6 +131,62 @@ def test_fused_call_splits_only_when_a_block_would_own_several_rows(
 
 
 @pytest.mark.parametrize(
+    ("rows", "world_size", "blocks", "slot_rows", "whole"),
+    [
+        (256, 2, 66, 2048, True),  # 128 rows a chunk: at least one a block
+        (132, 2, 66, 2048, True),  # exactly one row of each chunk a block
+        (130, 2, 66, 2048, False),  # 65 rows a chunk: one block would get none
+        (2048, 8, 16, 256, True),
+        (2048, 8, 16, 255, False),  # a chunk of whole rows (256) passes the slot
+        (9, 2, 4, 2048, True),  # chunks of 5 and 4 rows
+    ],
+)
+def test_two_shot_pieces_are_whole_rows_when_every_block_gets_a_row_and_a_chunk_fits_a_slot(
+    rows, world_size, blocks, slot_rows, whole
+):
+    slot_bytes = slot_rows * 7168 * 2
+    assert config.twoshot_row_pieces(rows, 7168, world_size, blocks, slot_bytes) is whole
+
+
+def _layout(world_size: int, max_tokens: int = 2048) -> config.WorkspaceLayout:
+    return config.workspace_layout(
+        world_size, max_tokens * 7168 * 2, config.default_oneshot_max_bytes(world_size)
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "blocks", "rows_per_block", "expected"),
+    [
+        (256, 66, None, TWOSHOT),  # one-shot would split; two-shot takes whole-row pieces
+        (128, 66, None, ONESHOT),  # one-shot blocks of two rows stay one launch
+        (256, 128, None, ONESHOT),  # one rank per GPU: 128 blocks, two rows a block
+        (290, 128, None, TWOSHOT),
+        (256, 66, 2, ONESHOT),  # a bound the user set keeps its split
+    ],
+)
+def test_a_fused_call_that_one_shot_would_split_runs_two_shot_in_whole_row_pieces(
+    rows, blocks, rows_per_block, expected
+):
+    tuning = sk.resolve_tuning(2, max_blocks=blocks, fused_rows_per_block=rows_per_block)
+    layout = _layout(2)
+    assert config.choose_variant(rows * 7168 * 2, tuning) == ONESHOT
+    assert config.fused_variant(rows, 7168, ONESHOT, blocks, tuning, layout) == expected
+
+
+def test_a_fused_call_keeps_one_shot_where_two_shot_pieces_would_not_be_whole_rows():
+    """At 4 ranks (one-shot raised to 64 MiB), 100 rows on 33 blocks split one-shot, but a
+    chunk of 25 rows leaves 8 blocks without a row: the call stays one-shot (two-shot would
+    wait for every block of every rank); 140 rows (35 a chunk) go two-shot. An explicit
+    variant is kept."""
+    tuning = sk.resolve_tuning(4, max_blocks=33, oneshot_max_bytes=64 * MIB)
+    layout = _layout(4)
+    assert config.split_fused(100, 33, tuning, ONESHOT)
+    assert config.fused_variant(100, 7168, ONESHOT, 33, tuning, layout) == ONESHOT
+    assert config.fused_variant(140, 7168, ONESHOT, 33, tuning, layout) == TWOSHOT
+    assert config.fused_variant(140, 7168, TWOSHOT, 33, tuning, layout) == TWOSHOT
+
+
+@pytest.mark.parametrize(
     ("rows", "hidden", "variant", "max_blocks", "expected"),
     [
         (1, 7168, _lib.VARIANT_ONESHOT, 128, 4),  # 896 vectors: 4 slices of 224

@@ -31,6 +31,7 @@ from .config import (
     check_world_size,
     choose_blocks,
     choose_variant,
+    fused_variant,
     resolve_tuning,
     row_blocks,
     split_fused,
@@ -481,7 +482,12 @@ class CommWorkspace:
         if self.closed:
             raise WorkspaceError(f"workspace {self.id} (rank {self.rank}) is closed")
         nbytes = inp.numel() * inp.element_size()
+        auto_variant = variant < 0
         variant, blocks = self.plan(nbytes, variant)
+        if auto_variant and residual_in is not None:
+            variant = fused_variant(
+                inp.shape[0], inp.shape[1], variant, blocks, self.tuning, self.layout
+            )
         p = _lib.LaunchParams.from_buffer_copy(self._params)
         p.input = inp.data_ptr()
         p.output = out.data_ptr()
