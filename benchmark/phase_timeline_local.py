@@ -22,6 +22,8 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # LocalRanks: no lazy loa
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+# the kernel package's sources, where it is not installed (the library from the environment)
+sys.path.append(str(Path(__file__).resolve().parents[1] / "sgl-kernel-sm120" / "python"))
 
 import sgl_kernel_sm120 as sk
 from sgl_kernel_sm120.testing import LocalRanks
