@@ -173,6 +173,17 @@ def test_a_fused_call_that_one_shot_would_split_runs_two_shot_in_whole_row_piece
     assert config.fused_variant(rows, 7168, ONESHOT, blocks, tuning, layout) == expected
 
 
+def test_a_row_split_one_shot_call_stays_one_shot_though_its_blocks_would_own_several_rows():
+    """With 64 KiB blocks, 16 tokens take 4 blocks: split_fused counts 4 rows a block, but the
+    launch splits each row across a cluster instead (row_blocks 4, one launch), which is the
+    fastest path at verify sizes: it must not be sent two-shot."""
+    tuning = sk.resolve_tuning(2, block_bytes=64 * KIB)
+    blocks = config.choose_blocks(16 * 7168 * 2, tuning)
+    assert blocks == 4 and config.split_fused(16, blocks, tuning, ONESHOT)
+    assert config.row_blocks(16, 7168, ONESHOT, tuning) == 4
+    assert config.fused_variant(16, 7168, ONESHOT, blocks, tuning, _layout(2)) == ONESHOT
+
+
 def test_a_fused_call_keeps_one_shot_where_two_shot_pieces_would_not_be_whole_rows():
     """At 4 ranks (one-shot raised to 64 MiB), 100 rows on 33 blocks split one-shot, but a
     chunk of 25 rows leaves 8 blocks without a row: the call stays one-shot (two-shot would

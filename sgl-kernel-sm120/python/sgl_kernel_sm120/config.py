@@ -290,11 +290,12 @@ def split_fused(rows: int, blocks: int, tuning: Tuning, variant: int) -> bool:
 def twoshot_row_pieces(
     rows: int, hidden: int, world_size: int, blocks: int, slot_bytes: int
 ) -> bool:
-    """Whether a two-shot fused call reduces whole rows in each block (the kernel's rule in
-    run_twoshot, kept in step with it): every block gets at least one row of every rank's
-    chunk, and a chunk of whole rows fits a push slot. Block b then normalises the rows block b
-    of each rank reduced, after waiting for those blocks alone (else for every block of every
-    rank)."""
+    """Whether a two-shot fused call runs in whole-row pieces (sk_launch's rule, kept in step
+    with it): a rank's chunk has at least as many rows as there are blocks, and a chunk of
+    whole rows fits a push slot. Each block's piece is then ceil(chunk rows / blocks) whole
+    rows (the last blocks' pieces may be short or empty), and block b normalises the rows block
+    b of each rank reduced, after waiting for those blocks alone (else for every block of
+    every rank)."""
     chunk_rows = math.ceil(rows / world_size)
     return chunk_rows >= blocks and chunk_rows * hidden * ELEMENT_BYTES <= slot_bytes
 
@@ -303,15 +304,16 @@ def fused_variant(
     rows: int, hidden: int, variant: int, blocks: int, tuning: Tuning, layout: WorkspaceLayout
 ) -> int:
     """The variant of a fused call whose variant was left to the size (choose_variant): two-shot
-    where the one-shot call would split into two launches (split_fused) and a two-shot call
-    takes whole-row pieces, one launch instead of an all-reduce and a norm launch that reads the
-    sum again. 1x H200, ranks as streams, world 2, 256 tokens x 7168 (66 blocks): 18.5 us
-    against 23.1 split (all-reduce + separate norm: 22.3). A fused_rows_per_block bound the
-    user set keeps the split as it asks."""
+    where the one-shot call would split into two launches (split_fused, and no row split takes
+    it in one: row_blocks) and a two-shot call takes whole-row pieces, one launch instead of an
+    all-reduce and a norm launch that reads the sum again. 1x H200, ranks as streams, world 2,
+    256 tokens x 7168 (66 blocks): 18.5 us against 23.1 split (all-reduce + separate norm:
+    22.3). A fused_rows_per_block bound the user set keeps the split as it asks."""
     if (
         variant == _lib.VARIANT_ONESHOT
         and tuning.fused_rows_per_block is None
         and split_fused(rows, blocks, tuning, variant)
+        and row_blocks(rows, hidden, variant, tuning) == 1
         and twoshot_row_pieces(rows, hidden, layout.world_size, blocks, layout.slot_bytes)
     ):
         return _lib.VARIANT_TWOSHOT
