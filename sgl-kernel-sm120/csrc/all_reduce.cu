@@ -871,7 +871,8 @@ __device__ void normalise_gathered(const SkLaunchParams& p, Shared& sh, const ui
 
 // Two-shot: reduce-scatter (rank j reduces chunk j), then all-gather of the reduced chunks.
 // kPieces (fused only): chunks and pieces are whole rows (p.chunk_rows, p.piece_rows; sk_launch
-// picks it when every block gets a row of every chunk and a chunk fits a slot). Block b then
+// picks it when a chunk has at least as many rows as there are blocks and fits a slot; a piece
+// is ceil(chunk_rows / blocks) rows, the last blocks' pieces short or empty). Block b then
 // reduces whole rows, and normalises the rows of piece b of every chunk after waiting for block
 // b of each rank alone, instead of for every block of every rank. Its own instantiation: the
 // other two-shot fused kernel keeps only the code its calls run (with both, 8-128 tokens at
@@ -1260,9 +1261,9 @@ SK_EXPORT int sk_preload(int device) {
 SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) {
   const SkLaunchParams& p = *params;
   const bool row_split = p.row_blocks > 1;
-  // A two-shot fused call runs in whole-row pieces when every block gets at least one row of
-  // every rank's chunk and a chunk of whole rows fits a push slot (config.twoshot_row_pieces
-  // states the same rule in Python).
+  // A two-shot fused call runs in whole-row pieces when a rank's chunk has at least as many
+  // rows as there are blocks and a chunk of whole rows fits a push slot
+  // (config.twoshot_row_pieces states the same rule in Python).
   const int64_t chunk_rows = p.world_size > 0 ? (p.rows + p.world_size - 1) / p.world_size : 0;
   const bool row_pieces = p.fused == SK_FUSED_RMSNORM && p.variant == SK_VARIANT_TWOSHOT &&
                           p.blocks > 0 && chunk_rows >= p.blocks &&

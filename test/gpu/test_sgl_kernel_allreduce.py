@@ -183,7 +183,7 @@ def test_fused_split_into_all_reduce_and_norm_launches_matches_reference(world_s
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("hidden", [2048, 7168])
 def test_two_shot_fused_with_whole_row_pieces_matches_reference(world_size, hidden):
-    """With at least one row of every chunk per block (4 blocks here), a two-shot fused call
+    """With at least as many rows in a chunk as blocks (4 here), a two-shot fused call
     reduces whole rows in each block and normalises them after waiting for that block index
     alone. Row counts not divisible by the world size or the blocks, a last chunk shorter than
     the others, and blocks whose piece is partly or wholly past the chunk's end included."""
