@@ -38,3 +38,35 @@ def server_pids(log_dir: Path) -> list[int]:
     """The pids of the fake servers and their workers, as their logs in ``log_dir`` print them."""
     text = "".join(p.read_text() for p in sorted(log_dir.glob("*.log")))
     return [int(pid) for pid in re.findall(r"(?:server|worker) pid (\d+)", text)]
+
+
+def wait_until_main_thread_blocks(pid: int, timeout_s: float = 60.0) -> None:
+    """Until the main thread of process ``pid`` sleeps on a futex (a lock or event wait), as it
+    does once it waits for its servers; TimeoutError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    task = f"/proc/{pid}/task/{pid}"
+    while time.monotonic() < deadline:
+        with open(f"{task}/stat") as stat, open(f"{task}/wchan") as wchan:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+            if state == "S" and "futex" in wchan.read():
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"the main thread of {pid} never blocked within {timeout_s:.0f} s")
+
+
+def signal_a_thread_other_than_main(pid: int, signum: int) -> int:
+    """Send ``signum`` to one thread of process ``pid`` that is not its main thread (Linux
+    tgkill), as the kernel may deliver a signal sent to the process; returns that thread's id.
+    Raises LookupError where the process has no other thread."""
+    import ctypes
+
+    threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    if not threads:
+        raise LookupError(f"process {pid} has no thread besides its main one")
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_tgkill = 234  # x86-64; aarch64: 131
+    if os.uname().machine == "aarch64":
+        sys_tgkill = 131
+    if libc.syscall(sys_tgkill, pid, threads[0], signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {threads[0]}, {signum})")
+    return threads[0]

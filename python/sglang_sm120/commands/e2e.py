@@ -638,6 +638,10 @@ class ServerBatch:
     included) stops every server of ``runs`` before it propagates."""
 
     STOP_WAIT_S = 180.0  # a server stopped by stop_all leaves its thread within seconds
+    # results() waits in slices this long: a signal sent to the process may be handed to any
+    # thread, and one handed to a server thread wakes no untimed wait of the main thread, so
+    # its handler (run by the main thread alone) would sit until the servers were done.
+    SIGNAL_CHECK_S = 0.2
 
     def __init__(
         self,
@@ -679,7 +683,8 @@ class ServerBatch:
         """Each launch's result or its ServerFailed, in order, once all are done; any other
         error of a launch is raised here."""
         for done in self.done:
-            done.wait()  # interruptible: a signal's exception is raised here
+            while not done.wait(timeout=self.SIGNAL_CHECK_S):
+                pass  # between slices the main thread runs a pending signal's handler
         outcomes = [self.outcomes[i] for i in range(len(self.launches))]
         for outcome in outcomes:
             if not isinstance(outcome, (RunResult, ServerFailed)):
