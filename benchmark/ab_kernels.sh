@@ -23,18 +23,19 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 ROUNDS=${ROUNDS:-2}
 work=${AB_WORK:-$(mktemp -d /tmp/ab.XXXX)}
-mkdir -p "$work"
-mkdir -p "$OUT"
+mkdir -p "$work" "$OUT"
 cc=$(python3 -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())') || exit 1
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 
 names=()
+declare -A preludes  # NAME -> its prelude's Python ("pass" for none)
 for spec in "${variants[@]}"; do
   name=${spec%%=*}
   rest=${spec#*=}
   src=${rest%%:*}
   names+=("$name")
-  [[ $rest == *:* ]] && echo "${rest#*:}" > "$work/$name.prelude"
+  preludes[$name]="pass"
+  [[ $rest == *:* ]] && preludes[$name]="exec(open('${rest#*:}').read())"
   if ! ${CUDACXX:-nvcc} -shared -O3 -std=c++17 --cudart static -Xcompiler=-fPIC,-fvisibility=hidden \
     "--generate-code=arch=compute_$cc,code=sm_$cc" -I sgl-kernel-sm120/csrc \
     -o "$work/$name.so" "$src" > "$work/$name.build" 2>&1; then
@@ -45,13 +46,11 @@ done
 
 for round in $(seq 1 "$ROUNDS"); do
   for name in "${names[@]}"; do
-    prelude="pass"
-    [ -f "$work/$name.prelude" ] && prelude="exec(open('$(cat "$work/$name.prelude")').read())"
     echo "== $name, round $round" | tee -a "$OUT/bench-$name.txt"
     SGLANG_SM120_KERNEL_LIBRARY="$work/$name.so" python3 -c "
 import runpy, sys
 sys.path += ['sgl-kernel-sm120/python', 'python']  # where the packages are not installed
-$prelude
+${preludes[$name]}
 sys.argv = ['bench_allreduce.py', '--out-dir', '$work/$name-$round', *sys.argv[1:]]
 runpy.run_path('benchmark/bench_allreduce.py', run_name='__main__')
 " "$@" >> "$OUT/bench-$name.txt" 2>&1 || { tail -20 "$OUT/bench-$name.txt"; exit 1; }

@@ -307,8 +307,8 @@ def fused_variant(
     where the one-shot call would split into two launches (split_fused, and no row split takes
     it in one: row_blocks) and a two-shot call takes whole-row pieces, one launch instead of an
     all-reduce and a norm launch that reads the sum again. 1x H200, ranks as streams, world 2,
-    256 tokens x 7168 (66 blocks): 18.5 us against 23.1 split (all-reduce + separate norm:
-    22.3). A fused_rows_per_block bound the user set keeps the split as it asks."""
+    256 tokens x 7168 (66 blocks): 18.6-18.9 us against 23.1 split (all-reduce + separate
+    norm: 22.2-22.3). A fused_rows_per_block bound the user set keeps the split as it asks."""
     if (
         variant == _lib.VARIANT_ONESHOT
         and tuning.fused_rows_per_block is None
