@@ -394,13 +394,47 @@ def test_back_to_back_calls_of_different_sizes_without_sync(forced_ranks):
             _check_fused(forced_ranks, xs, residual, weight, outs, what)
 
 
+class _DeviceWords:
+    """32-bit words of device memory at `address`, for torch.as_tensor (no copy)."""
+
+    def __init__(self, address: int, count: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (count,),
+            "typestr": "<i4",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def _as_if_served(ranks: LocalRanks, calls: int) -> None:
+    """Moves every rank's call state to where `calls` one-shot calls would leave it (the
+    workspace's internals: the state words of sk_api.h, every block's copy): word 0 and 5 the
+    call number's low and high half, word 1 the one-shot calls, counted mod 2^32, the buffer
+    being that mod 3."""
+    torch.cuda.synchronize(ranks.device)
+    low, high = calls % 2**32, calls >> 32
+    signed = [(w ^ 0x80000000) - 0x80000000 for w in (low, high)]
+    for ws in ranks.workspaces:
+        address = ws._buffers[ws.rank] + config.CONTROL_OFFSET + 4 * _lib.STATE_OFFSET_WORDS
+        words = _DeviceWords(address, _lib.MAX_BLOCKS * _lib.STATE_WORDS)
+        state = torch.as_tensor(words, device=ws.device).view(_lib.MAX_BLOCKS, _lib.STATE_WORDS)
+        state[:, 0] = signed[0]
+        state[:, 1] = signed[0]
+        state[:, 5] = signed[1]
+    torch.cuda.synchronize(ranks.device)
+
+
 def _three_calls_with_slow_rank(
-    variant: str, single_buffer: bool, fused: bool = False, max_blocks: int | None = None
+    variant: str,
+    single_buffer: bool,
+    fused: bool = False,
+    max_blocks: int | None = None,
+    calls_before: int = 0,
 ) -> list[float]:
     """Rank 0 stalls 2 ms while it still has to read its buffers (one-shot: after its push;
     two-shot: after each wait); the other ranks go straight on to the next call. No end barrier
-    holds them back. Returns each result's violation (fused: of the normed output and of the
-    residual)."""
+    holds them back. calls_before: the workspaces start as if they had served that many calls.
+    Returns each result's violation (fused: of the normed output and of the residual)."""
     world_size = 4
     ranks = _make_ranks(
         world_size,
@@ -410,6 +444,8 @@ def _three_calls_with_slow_rank(
         max_blocks=max_blocks,
     )
     try:
+        if calls_before:
+            _as_if_served(ranks, calls_before)
         for ws in ranks.workspaces:
             ws._set_debug(single_buffer=single_buffer, delay_rank=0, delay_us=2000)
         data = [_inputs(world_size, 64, 2048, torch.bfloat16, seed=s) for s in range(3)]
@@ -450,6 +486,26 @@ def test_fused_two_shot_with_whole_row_pieces_waits_for_a_slow_peer():
     over 4 ranks and 4 blocks: 4 rows a piece)."""
     _, atol = TOLERANCES[torch.bfloat16]
     violations = _three_calls_with_slow_rank("twoshot", False, fused=True, max_blocks=4)
+    assert max(violations) <= atol, violations
+
+
+@pytest.mark.parametrize(
+    ("variant", "fused", "max_blocks"),
+    [("oneshot", False, None), ("twoshot", False, None), ("twoshot", True, 4)],
+    ids=["oneshot", "twoshot", "twoshot-fused-pieces"],
+)
+def test_a_workspace_stays_correct_across_the_32_bit_wrap_of_its_call_count(
+    variant, fused, max_blocks
+):
+    """A server makes ~10^4 calls a second: 2^32 of them in days. The three calls start two
+    before the count passes 2^32, beside a slow peer: the one-shot buffers must keep rotating
+    (the count mod 3 repeats a buffer where it wraps), and a two-shot flag a block index has
+    not written since must not pass for this call's (a comparison of 32-bit call numbers by
+    signed distance takes any flag more than 2^31 calls old, a never-written one included)."""
+    _, atol = TOLERANCES[torch.bfloat16]
+    violations = _three_calls_with_slow_rank(
+        variant, False, fused=fused, max_blocks=max_blocks, calls_before=2**32 - 2
+    )
     assert max(violations) <= atol, violations
 
 
