@@ -17,8 +17,10 @@
 //   is never overwritten.
 // - Two-shot (large messages): reduce-scatter then all-gather, with flags carrying the call
 //   number (release store to the peer, acquire poll locally). Its second round is the end
-//   barrier of the first; push slots alternate between two parities.
-// - Call state (call number, one-shot buffer index and how much of each buffer is dirty) lives
+//   barrier of the first; push slots alternate between two parities. Call numbers are 64-bit:
+//   a server makes ~10^4 calls a second, and a 32-bit number compared by signed distance
+//   takes a flag last set 2^31 calls ago (days) for a new one.
+// - Call state (call number, next one-shot buffer and how much of each buffer is dirty) lives
 //   in the rank's own device memory, one copy per block index: block b reads copy b at start
 //   and at the end writes every copy j = b mod grid. So CUDA graph replays need no host work,
 //   and no block reads a word another block of the same launch writes.
@@ -48,9 +50,12 @@ constexpr int kKindGather = 1;
 static_assert(SK_MAX_RANKS <= SK_THREADS, "signal: one storing thread per peer");
 
 // Call state words (one copy per block index, see SK_STATE_*).
-constexpr int kStateEpoch = 0;
-constexpr int kStateOneshotCalls = 1;
+constexpr int kStateEpoch = 0;  // the call number's low 32 bits
+// The next one-shot call's buffer, read mod 3 and stored as 0..2 (a count of one-shot calls
+// mod 2^32 would repeat a buffer where it wraps: 2^32 is not a multiple of 3).
+constexpr int kStateOneshotBuffer = 1;
 constexpr int kStateDirty = 2;  // 3 words: vectors per peer slot written into each buffer
+constexpr int kStateEpochHigh = 5;  // the call number's high 32 bits
 
 constexpr int kRowsPerPass = 3;  // the most rows the two-shot epilogue normalises at once
 
@@ -87,14 +92,14 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ uint32_t ld_volatile(const uint32_t* p) {
@@ -133,18 +138,26 @@ __device__ __forceinline__ uint4 sendable(uint4 u) {
 
 // Debug timeline: clock64 of block 0, thread 0 at phase `index` (0 start ... 5 end); phases 0
 // and 5 also record %globaltimer (slots 6 and 7) to convert cycles to nanoseconds.
+// Read from the special registers at each stamp (asm volatile): otherwise the compiler keeps
+// `threadIdx.x | blockIdx.x` live through the kernel, and with 64-bit call numbers that spilled
+// in the strided two-shot fused kernel (sm_90 and sm_120).
+__device__ __forceinline__ bool first_thread_of_grid() {
+  uint32_t thread, block;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(thread));
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+  return (thread | block) == 0;
+}
+
 __device__ __forceinline__ void stamp(const SkLaunchParams& p, int index) {
-  if (p.timeline != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+  if (p.timeline != nullptr && first_thread_of_grid()) {
     p.timeline[index] = clock64();
     if (index == 0) p.timeline[6] = globaltimer_ns();
     if (index == 5) p.timeline[7] = globaltimer_ns();
   }
 }
 
-// Epochs wrap around at 2^32; compare by signed distance.
-__device__ __forceinline__ bool reached(uint32_t flag, uint32_t epoch) {
-  return static_cast<int32_t>(flag - epoch) >= 0;
-}
+// 64-bit call numbers never wrap (2^64 calls take ~6 million years at 10^5 a second).
+__device__ __forceinline__ bool reached(uint64_t flag, uint64_t epoch) { return flag >= epoch; }
 
 __device__ __forceinline__ size_t flag_index(int kind, int parity, int src, int block) {
   return ((static_cast<size_t>(kind) * 2 + parity) * SK_MAX_RANKS + src) * SK_MAX_BLOCKS + block;
@@ -339,17 +352,20 @@ __device__ float cluster_row_total(Shared& sh, float part_sum) {
   return total;
 }
 
-__device__ void report_timeout(const SkLaunchParams& p, int src, int kind, uint32_t epoch) {
+__device__ void report_timeout(const SkLaunchParams& p, int src, int kind, uint64_t epoch) {
   uint32_t* ctl = p.control;
   if (atomicCAS(ctl + SK_CTRL_ERR_CODE, 0u, 1u) != 0u) return;  // first error wins
+  const uint32_t low = static_cast<uint32_t>(epoch), high = static_cast<uint32_t>(epoch >> 32);
   volatile uint32_t* dev = ctl;
   dev[SK_CTRL_ERR_SRC] = static_cast<uint32_t>(src);
   dev[SK_CTRL_ERR_KIND] = static_cast<uint32_t>(kind);
-  dev[SK_CTRL_ERR_EPOCH] = epoch;
+  dev[SK_CTRL_ERR_EPOCH] = low;
+  dev[SK_CTRL_ERR_EPOCH_HIGH] = high;
   volatile uint32_t* host = p.error_host;
   host[SK_CTRL_ERR_SRC] = static_cast<uint32_t>(src);
   host[SK_CTRL_ERR_KIND] = static_cast<uint32_t>(kind);
-  host[SK_CTRL_ERR_EPOCH] = epoch;
+  host[SK_CTRL_ERR_EPOCH] = low;
+  host[SK_CTRL_ERR_EPOCH_HIGH] = high;
   __threadfence_system();
   host[SK_CTRL_ERR_CODE] = 1u;
   __threadfence_system();
@@ -369,7 +385,7 @@ __device__ void debug_delay(const SkLaunchParams& p) {
 
 // Tells ranks rank+1, rank+2, ... (and, with include_self, this rank's other blocks) that this
 // block's data of call `epoch` has landed in their memory.
-__device__ void signal(const SkLaunchParams& p, int kind, int parity, uint32_t epoch, int block,
+__device__ void signal(const SkLaunchParams& p, int kind, int parity, uint64_t epoch, int block,
                        bool include_self) {
   __syncthreads();  // every thread's stores precede the release below
   const int n = p.world_size - 1 + (include_self ? 1 : 0);
@@ -384,13 +400,13 @@ __device__ void signal(const SkLaunchParams& p, int kind, int parity, uint32_t e
 // include_self) signalled call `epoch`; flags are split across the block's threads (each flag
 // has its own timeout bound, so a thread with two flags may wait up to twice it). Returns false
 // when the block must give up (a wait timed out); the result is the same for all threads.
-__device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int parity, uint32_t epoch,
+__device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int parity, uint64_t epoch,
                          int block_lo, int nblocks, bool include_self) {
   for (int i = threadIdx.x; i < p.world_size * nblocks; i += SK_THREADS) {
     const int src = i / nblocks;
     const int block = block_lo + i % nblocks;
     if (src != p.rank || include_self) {
-      const uint32_t* flag = p.flags[p.rank] + flag_index(kind, parity, src, block);
+      const uint64_t* flag = p.flags[p.rank] + flag_index(kind, parity, src, block);
       if (!reached(ld_acquire_sys(flag), epoch)) {
         const uint64_t start = globaltimer_ns();
         while (!reached(ld_acquire_sys(flag), epoch)) {
@@ -679,7 +695,7 @@ constexpr int kLowSlots = SK_MAX_RANKS / 2;  // sum_arrived: slots checked witho
 template <typename T>
 __device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh,
                             const uint4* slots, int64_t slot_vecs, const uint4* input, int64_t v,
-                            uint32_t epoch) {
+                            uint64_t epoch) {
   const int world = p.world_size, rank = p.rank;
   const uint4 mine = sendable(input[v]);
   uint4 u[SK_MAX_RANKS];
@@ -748,16 +764,15 @@ __device__ __forceinline__ OneshotShare oneshot_share(const KernelParams& p) {
 }
 
 // One-shot, Lamport-style (see the top of this file). `state` is this call's state; the
-// one-shot counter and dirty sizes in it are advanced here for the copies the kernel writes.
+// one-shot buffer and dirty sizes in it are advanced here for the copies the kernel writes.
 template <typename T, bool kFused, bool kPreloaded, bool kRowSplit>
 __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS],
-                            const OneshotShare& share, const uint4& first_input) {
+                            uint64_t epoch, const OneshotShare& share, const uint4& first_input) {
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
-  const uint32_t epoch = state[kStateEpoch];
   const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
-  const uint32_t calls = state[kStateOneshotCalls];
-  const int current = single ? 0 : static_cast<int>(calls % SK_LAMPORT_BUFFERS);
+  const int current =
+      single ? 0 : static_cast<int>(state[kStateOneshotBuffer] % SK_LAMPORT_BUFFERS);
   const int previous = (current + SK_LAMPORT_BUFFERS - 1) % SK_LAMPORT_BUFFERS;
   const int64_t nvec = p.numel / kVecElems;
   const int64_t slot_vecs = p.lamport_slot_bytes / 16;
@@ -829,7 +844,7 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
       if (b == previous) state[kStateDirty + b] = 0;
       if (b == current) state[kStateDirty + b] = static_cast<uint32_t>(nvec);
     }
-    state[kStateOneshotCalls] = calls + 1;
+    state[kStateOneshotBuffer] = (current + 1) % SK_LAMPORT_BUFFERS;
   }
   stamp(p, 3);
   debug_delay(p);
@@ -878,7 +893,7 @@ __device__ void normalise_gathered(const SkLaunchParams& p, Shared& sh, const ui
 // other two-shot fused kernel keeps only the code its calls run (with both, 8-128 tokens at
 // 4 and 8 ranks took 0.5-1.4 us longer, 1x H200).
 template <typename T, bool kFused, bool kPieces>
-__device__ void run_twoshot(const KernelParams& p, Shared& sh, uint32_t epoch, int parity) {
+__device__ void run_twoshot(const KernelParams& p, Shared& sh, uint64_t epoch, int parity) {
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
   const int64_t nvec = p.numel / kVecElems;
@@ -929,7 +944,8 @@ __device__ void run_twoshot(const KernelParams& p, Shared& sh, uint32_t epoch, i
     uint4* gather = static_cast<uint4*>(p.gather[(rank + s) % world]);
     for (int64_t v = lo + t; v < hi; v += SK_THREADS) gather[v] = reduced[v];  // own stores
   }
-  signal(p, kKindGather, parity, epoch, block, kFused);
+  // The strided epilogue also waits for this rank's own blocks; whole-row pieces do not.
+  signal(p, kKindGather, parity, epoch, block, kFused && !kPieces);
   stamp(p, 4);
 
   if constexpr (!kFused) {
@@ -1007,17 +1023,19 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const KernelP
   }
   uint32_t state[SK_STATE_WORDS] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
   static_assert(SK_STATE_WORDS == 8, "the state is loaded as two 16-byte vectors");
-  state[kStateEpoch] += 1u;
+  const uint64_t epoch =
+      ((static_cast<uint64_t>(state[kStateEpochHigh]) << 32) | state[kStateEpoch]) + 1u;
+  state[kStateEpoch] = static_cast<uint32_t>(epoch);
+  state[kStateEpochHigh] = static_cast<uint32_t>(epoch >> 32);
   __syncthreads();
   stamp(p, 1);
   if (!sh.abort) {
     if constexpr (kVariant == SK_VARIANT_ONESHOT) {
-      run_oneshot<T, kFused, preload, kRowSplit>(p, sh, state, share, first_input);
+      run_oneshot<T, kFused, preload, kRowSplit>(p, sh, state, epoch, share, first_input);
     } else {
-      const int parity = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER)
-                             ? 0
-                             : static_cast<int>(state[kStateEpoch] & 1u);
-      run_twoshot<T, kFused, kPieces>(p, sh, state[kStateEpoch], parity);
+      const int parity =
+          (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) ? 0 : static_cast<int>(epoch & 1u);
+      run_twoshot<T, kFused, kPieces>(p, sh, epoch, parity);
     }
   } else if constexpr (kRowSplit) {
     cluster_wait();  // the cluster's other blocks may not have seen the error

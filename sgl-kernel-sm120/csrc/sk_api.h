@@ -12,24 +12,28 @@
 extern "C" {
 #endif
 
-#define SK_ABI_VERSION 5
+#define SK_ABI_VERSION 6
 #define SK_MAX_RANKS 8
 #define SK_MAX_BLOCKS 128
 #define SK_THREADS 512
 
-// Flags (two-shot only): uint32 [kind][parity][src rank][block], kind 0 = reduce-scatter push,
-// kind 1 = gather (all-gather of the reduced chunks).
+// Flags (two-shot only): uint64 [kind][parity][src rank][block], kind 0 = reduce-scatter push,
+// kind 1 = gather (all-gather of the reduced chunks). Each holds the number of the call that
+// last set it: 64 bits never wrap, so a flag no call has set for a long time cannot pass for a
+// new one.
 #define SK_FLAG_KINDS 2
 #define SK_FLAG_WORDS (SK_FLAG_KINDS * 2 * SK_MAX_RANKS * SK_MAX_BLOCKS)
 // Control words (rank-local): error record, then one copy of the call state per block.
 #define SK_CTRL_ERR_CODE 2  // 0 = fine, 1 = timed out waiting for a peer
 #define SK_CTRL_ERR_SRC 3   // the rank that did not arrive
 #define SK_CTRL_ERR_KIND 4  // what it was waited for (0 push / one-shot data, 1 gather)
-#define SK_CTRL_ERR_EPOCH 5 // the call (epoch) that timed out
+#define SK_CTRL_ERR_EPOCH 5 // the call (epoch) that timed out, low 32 bits
+#define SK_CTRL_ERR_EPOCH_HIGH 6  // and high 32 bits
 #define SK_CTRL_WORDS 8
 // Call state, one copy per block index so that no block ever reads a word another block of the
-// same launch writes (no atomics, no end barrier): [epoch, one-shot calls, dirty vectors of
-// the three one-shot buffers, pad].
+// same launch writes (no atomics, no end barrier): [call number (epoch) low 32 bits, one-shot
+// buffer of the next one-shot call (read mod 3), dirty vectors of the three one-shot buffers,
+// call number high 32 bits, pad].
 #define SK_STATE_OFFSET_WORDS 64
 #define SK_STATE_WORDS 8
 #define SK_CONTROL_WORDS (SK_STATE_OFFSET_WORDS + SK_MAX_BLOCKS * SK_STATE_WORDS)
@@ -66,7 +70,7 @@ typedef struct {
   void* lamport[SK_MAX_RANKS];     // one-shot region: [3 buffers][world][lamport_slot_bytes]
   void* push[SK_MAX_RANKS];        // two-shot region base: [2 parities][world][slot_bytes]
   void* gather[SK_MAX_RANKS];      // gather region base: [max_bytes]
-  uint32_t* flags[SK_MAX_RANKS];   // flag words, SK_FLAG_WORDS each
+  uint64_t* flags[SK_MAX_RANKS];   // flag words, SK_FLAG_WORDS each
   uint32_t* control;         // this rank's SK_CONTROL_WORDS control words (device memory)
   uint32_t* error_host;      // device alias of host-mapped SK_CTRL_WORDS mirror (error record)
   unsigned long long* timeline;  // debug: clock64 stamps of block 0 per phase, or null

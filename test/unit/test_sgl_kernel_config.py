@@ -37,16 +37,16 @@ def _clean_env(monkeypatch):
 
 
 def test_workspace_bytes_follow_the_readme_formula_at_8_ranks_hidden_7168():
-    # README: bytes = 32 KiB + 3 N L + 2 N C + S, L = min(O, S), C = ceil(S / N).
+    # README: bytes = 40 KiB + 3 N L + 2 N C + S, L = min(O, S), C = ceil(S / N).
     for max_tokens in (64, 256, 512, 2048):
         s = max_tokens * 7168 * 2
         lamport, chunk = min(32 * KIB, s), s // 8
-        expected = 32 * KIB + 3 * 8 * lamport + 2 * 8 * chunk + s
+        expected = 40 * KIB + 3 * 8 * lamport + 2 * 8 * chunk + s
         assert sk.workspace_bytes(8, max_tokens, 7168) == expected
 
 
 def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_11_3_mib():
-    assert sk.workspace_bytes(8, 256, 7168) == 11_829_248
+    assert sk.workspace_bytes(8, 256, 7168) == 11_837_440
 
 
 @pytest.mark.parametrize(
@@ -70,6 +70,7 @@ def test_slots_hold_a_oneshot_message_or_a_twoshot_chunk(
 
 def test_control_words_and_call_state_fit_before_the_buffers():
     assert config.CONTROL_OFFSET + _lib.CONTROL_WORDS * 4 <= config.LAMPORT_OFFSET
+    assert config.CONTROL_OFFSET == _lib.FLAG_WORDS * _lib.FLAG_BYTES
 
 
 def test_layout_refuses_sizes_that_are_not_whole_vectors():
@@ -271,6 +272,18 @@ def test_row_blocks_matches_the_kernels_cluster_bound():
     kernel_sources = Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "csrc"
     header = (kernel_sources / "sk_api.h").read_text()
     assert f"#define SK_MAX_ROW_BLOCKS {config.MAX_ROW_BLOCKS} " in header
+
+
+def test_the_python_mirror_has_the_headers_abi_flag_width_and_error_words():
+    """The ABI number says the layout changed; the flags' width and the error record's words
+    are what the Python side sizes and reads (64-bit call numbers since ABI 6)."""
+    kernel_sources = Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "csrc"
+    header = (kernel_sources / "sk_api.h").read_text()
+    assert f"#define SK_ABI_VERSION {_lib.ABI_VERSION}\n" in header
+    assert f"uint{8 * _lib.FLAG_BYTES}_t* flags[SK_MAX_RANKS];" in header
+    assert f"#define SK_CTRL_ERR_EPOCH {_lib.CTRL_ERR_EPOCH} " in header
+    assert f"#define SK_CTRL_ERR_EPOCH_HIGH {_lib.CTRL_ERR_EPOCH_HIGH} " in header
+    assert _lib.CTRL_ERR_EPOCH_HIGH < _lib.CTRL_WORDS  # inside the host-mapped mirror
 
 
 def test_fused_rows_per_block_defaults_to_unset_and_reads_its_variable(monkeypatch):

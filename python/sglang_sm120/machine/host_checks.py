@@ -266,7 +266,7 @@ def ipc_workspace_bytes(
     slab it shares (P = decode_rows x hidden x element_bytes, N = tp):
 
     - ``sm120_pcie``: sgl-kernel-sm120's workspace at the decode width (its
-      ``config.workspace_bytes``: 32 KiB + 3 N x one-shot slot + 2 N x chunk + P); 0 when the
+      ``config.workspace_bytes``: 40 KiB + 3 N x one-shot slot + 2 N x chunk + P); 0 when the
       package is not installed;
     - ``pcie_ipc``: FlashInfer's PCIe-IPC slab at the decode width (compute_workspace_layout in
       its pcie_ipc_all_reduce.cuh): two scratch regions of 2 N x P, the copy-engine ring's

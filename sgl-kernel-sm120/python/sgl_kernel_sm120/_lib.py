@@ -14,11 +14,12 @@ from pathlib import Path
 from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_RANKS = 8
 MAX_BLOCKS = 128
 THREADS = 512
 FLAG_WORDS = 2 * 2 * MAX_RANKS * MAX_BLOCKS
+FLAG_BYTES = 8  # a 64-bit call number each
 CTRL_WORDS = 8
 STATE_OFFSET_WORDS = 64
 STATE_WORDS = 8
@@ -30,6 +31,7 @@ CTRL_ERR_CODE = 2
 CTRL_ERR_SRC = 3
 CTRL_ERR_KIND = 4
 CTRL_ERR_EPOCH = 5
+CTRL_ERR_EPOCH_HIGH = 6
 DTYPE_BF16 = 0
 DTYPE_FP16 = 1
 VARIANT_ONESHOT = 0

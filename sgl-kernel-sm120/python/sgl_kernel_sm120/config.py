@@ -51,8 +51,8 @@ ONESHOT_FUSED_ROWS_PER_BLOCK = 2
 MAX_FUSED_ROWS_PER_BLOCK = MAX_TOKENS
 
 FLAGS_OFFSET = 0
-CONTROL_OFFSET = _lib.FLAG_WORDS * 4  # 16 KiB of flags, then control words and call state
-LAMPORT_OFFSET = 32768  # the buffers start on their own 32 KiB boundary
+CONTROL_OFFSET = _lib.FLAG_WORDS * _lib.FLAG_BYTES  # 32 KiB of flags, then control and call state
+LAMPORT_OFFSET = 40960  # the buffers start 40 KiB in
 REGION_ALIGN = 256
 assert CONTROL_OFFSET + _lib.CONTROL_WORDS * 4 <= LAMPORT_OFFSET, "control words overlap buffers"
 
@@ -213,7 +213,7 @@ def _round_up(value: int, multiple: int) -> int:
 class WorkspaceLayout:
     """Byte layout of one rank's buffer (identical on every rank).
 
-    [flags 16 KiB][control][pad to 32 KiB][one-shot: 3 buffers x world x lamport_slot]
+    [flags 32 KiB][control][pad to 40 KiB][one-shot: 3 buffers x world x lamport_slot]
     [two-shot push: 2 parities x world x slot][gather: max_bytes]
     """
 
@@ -233,7 +233,7 @@ def workspace_layout(world_size: int, max_bytes: int, oneshot_max_bytes: int) ->
     A one-shot slot holds a whole one-shot message (L = min(O, S)); three rotating buffers of N
     slots each (Lamport: each is cleared one call after it was read). A two-shot slot holds one
     rank's reduce-scatter chunk (C = ceil(S / N)), two parities of N slots. Total per GPU:
-    32 KiB + 3 N L + 2 N C + S (about 32 KiB + 3 N L + 3 S).
+    40 KiB + 3 N L + 2 N C + S (about 40 KiB + 3 N L + 3 S).
     """
     check_world_size(world_size)
     if max_bytes <= 0 or max_bytes % VECTOR_BYTES:

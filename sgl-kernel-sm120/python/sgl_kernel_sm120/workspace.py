@@ -394,11 +394,12 @@ class CommWorkspace:
         words = (ctypes.c_uint32 * _lib.CTRL_WORDS).from_address(self._host_error)
         if words[_lib.CTRL_ERR_CODE] == 0:
             return None
+        call = words[_lib.CTRL_ERR_EPOCH_HIGH] << 32 | words[_lib.CTRL_ERR_EPOCH]
         return (
             f"rank {self.rank}/{self.world_size}: timed out after {self.tuning.timeout_ms} ms "
             f"waiting for rank {words[_lib.CTRL_ERR_SRC]} "
             f"({_PHASES.get(words[_lib.CTRL_ERR_KIND], '?')} phase) in call "
-            f"{words[_lib.CTRL_ERR_EPOCH]}; outputs of that call and of every later call are "
+            f"{call}; outputs of that call and of every later call are "
             "invalid: close this workspace and create a new one"
         )
 
