@@ -8,13 +8,13 @@
 //   inputs are sent as 0x7FFF); a rank pushes its input into every peer's buffer and polls its
 //   own buffer until no lane holds 0xFFFF. One round, no flags, no fences, no barrier between
 //   blocks: each block polls exactly the vectors (or rows) it reduces.
-// - Three one-shot buffers rotate. In call k a rank reads buffer k%3 and clears (back to
-//   0xFFFF) buffer (k-1)%3, which it read in call k-1. A peer writes that buffer again only in
-//   call k+2, which it can only enter after finishing call k+1, which needs this rank's data of
-//   call k+1, which this rank pushes after its call k (the clear included) has finished. And
-//   no peer can overwrite buffer k%3 before this rank has read it: that write belongs to call
-//   k+3, which needs this rank's data of call k+2. So there is no end barrier, and a slow rank
-//   is never overwritten.
+// - Three one-shot buffers rotate. In its one-shot call k (counting one-shot calls only) a rank
+//   reads buffer k%3 and clears (back to 0xFFFF) buffer (k-1)%3, which it read in call k-1. A
+//   peer writes that buffer again only in call k+2, which it can only enter after finishing
+//   call k+1, which needs this rank's data of call k+1, which this rank pushes after its call
+//   k (the clear included) has finished. And no peer can overwrite buffer k%3 before this rank
+//   has read it: that write belongs to call k+3, which needs this rank's data of call k+2. So
+//   there is no end barrier, and a slow rank is never overwritten.
 // - Two-shot (large messages): reduce-scatter then all-gather, with flags carrying the call
 //   number (release store to the peer, acquire poll locally). Its second round is the end
 //   barrier of the first; push slots alternate between two parities. Call numbers are 64-bit:
@@ -49,13 +49,13 @@ constexpr int kKindGather = 1;
 
 static_assert(SK_MAX_RANKS <= SK_THREADS, "signal: one storing thread per peer");
 
-// Call state words (one copy per block index, see SK_STATE_*).
-constexpr int kStateEpoch = 0;  // the call number's low 32 bits
-// The next one-shot call's buffer, read mod 3 and stored as 0..2 (a count of one-shot calls
-// mod 2^32 would repeat a buffer where it wraps: 2^32 is not a multiple of 3).
-constexpr int kStateOneshotBuffer = 1;
-constexpr int kStateDirty = 2;  // 3 words: vectors per peer slot written into each buffer
-constexpr int kStateEpochHigh = 5;  // the call number's high 32 bits
+// Call state words (one copy per block index, see SK_STATE_* in sk_api.h). The one-shot buffer
+// is stored as 0..2, not as a count of one-shot calls: such a count mod 3 repeats a buffer where
+// it wraps at 2^32, which is not a multiple of 3.
+constexpr int kStateEpoch = SK_STATE_EPOCH;
+constexpr int kStateOneshotBuffer = SK_STATE_ONESHOT_BUFFER;
+constexpr int kStateDirty = SK_STATE_DIRTY;
+constexpr int kStateEpochHigh = SK_STATE_EPOCH_HIGH;
 
 constexpr int kRowsPerPass = 3;  // the most rows the two-shot epilogue normalises at once
 
@@ -539,8 +539,8 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
   const float total = cluster_row_total(sh, sum_sq);
   if (aborted) return false;
   const float scale = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
-  // residual_out is stored only now: before the exchange, its stores would hold up the
-  // barrier's release.
+  // residual_out is stored after the exchange; before it made no difference (TP2 1-16 tokens,
+  // benchmark/results/1xH200-2026-12-04c-call-count).
 #pragma unroll
   for (int k = 0; k < kMaxVecPerSlice; ++k) {
     const int c = lo + t + k * SK_THREADS;

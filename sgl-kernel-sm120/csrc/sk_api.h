@@ -31,11 +31,13 @@ extern "C" {
 #define SK_CTRL_ERR_EPOCH_HIGH 6  // and high 32 bits
 #define SK_CTRL_WORDS 8
 // Call state, one copy per block index so that no block ever reads a word another block of the
-// same launch writes (no atomics, no end barrier): [call number (epoch) low 32 bits, one-shot
-// buffer of the next one-shot call (read mod 3), dirty vectors of the three one-shot buffers,
-// call number high 32 bits, pad].
+// same launch writes (no atomics, no end barrier).
 #define SK_STATE_OFFSET_WORDS 64
 #define SK_STATE_WORDS 8
+#define SK_STATE_EPOCH 0           // the call number (epoch), low 32 bits
+#define SK_STATE_ONESHOT_BUFFER 1  // the next one-shot call's buffer, 0-2 (read mod 3)
+#define SK_STATE_DIRTY 2           // 3 words: vectors per peer slot written into each buffer
+#define SK_STATE_EPOCH_HIGH 5      // the call number, high 32 bits (words 6-7: pad)
 #define SK_CONTROL_WORDS (SK_STATE_OFFSET_WORDS + SK_MAX_BLOCKS * SK_STATE_WORDS)
 
 // One-shot buffers hold 16-bit lanes; this value means "not arrived yet" (a NaN; a 0xFFFF lane

@@ -18,6 +18,7 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -406,22 +407,39 @@ class _DeviceWords:
         }
 
 
+def _state_words(ws: sk.CommWorkspace) -> torch.Tensor:
+    """This rank's call state, every block's copy, as an int32 view [block, word] of the device
+    memory (the workspace's internals: sk_api.h's SK_STATE_* words)."""
+    address = ws._buffers[ws.rank] + config.CONTROL_OFFSET + 4 * _lib.STATE_OFFSET_WORDS
+    words = _DeviceWords(address, _lib.MAX_BLOCKS * _lib.STATE_WORDS)
+    return torch.as_tensor(words, device=ws.device).view(_lib.MAX_BLOCKS, _lib.STATE_WORDS)
+
+
 def _as_if_served(ranks: LocalRanks, calls: int) -> None:
-    """Moves every rank's call state to where `calls` one-shot calls would leave it (the
-    workspace's internals: the state words of sk_api.h, every block's copy): word 0 and 5 the
-    call number's low and high half, word 1 the one-shot calls, counted mod 2^32, the buffer
-    being that mod 3."""
+    """Moves every rank's call state to where `calls` one-shot calls leave it: the call number
+    in its two words, and `calls` mod 2^32 in the one-shot buffer word, which is what ABI 5's
+    32-bit count of one-shot calls held there (ABI 6 stores 0-2 and reads the word mod 3, so the
+    same value means the same buffer to both)."""
     torch.cuda.synchronize(ranks.device)
-    low, high = calls % 2**32, calls >> 32
-    signed = [(w ^ 0x80000000) - 0x80000000 for w in (low, high)]
+    low, high = (w - 2**32 if w >= 2**31 else w for w in (calls % 2**32, calls >> 32))
     for ws in ranks.workspaces:
-        address = ws._buffers[ws.rank] + config.CONTROL_OFFSET + 4 * _lib.STATE_OFFSET_WORDS
-        words = _DeviceWords(address, _lib.MAX_BLOCKS * _lib.STATE_WORDS)
-        state = torch.as_tensor(words, device=ws.device).view(_lib.MAX_BLOCKS, _lib.STATE_WORDS)
-        state[:, 0] = signed[0]
-        state[:, 1] = signed[0]
-        state[:, 5] = signed[1]
+        state = _state_words(ws)
+        state[:, _lib.STATE_EPOCH] = low
+        state[:, _lib.STATE_ONESHOT_BUFFER] = low
+        state[:, _lib.STATE_EPOCH_HIGH] = high
     torch.cuda.synchronize(ranks.device)
+
+
+def _call_numbers(ranks: LocalRanks) -> set[int]:
+    """The last call's number, as every block's copy of every rank's call state holds it."""
+    torch.cuda.synchronize(ranks.device)
+    numbers = set()
+    for ws in ranks.workspaces:
+        state = _state_words(ws).cpu().tolist()
+        for copy in state:
+            low, high = (w % 2**32 for w in (copy[_lib.STATE_EPOCH], copy[_lib.STATE_EPOCH_HIGH]))
+            numbers.add(high << 32 | low)
+    return numbers
 
 
 def _three_calls_with_slow_rank(
@@ -430,11 +448,13 @@ def _three_calls_with_slow_rank(
     fused: bool = False,
     max_blocks: int | None = None,
     calls_before: int = 0,
+    after: Callable[[LocalRanks], None] | None = None,
 ) -> list[float]:
     """Rank 0 stalls 2 ms while it still has to read its buffers (one-shot: after its push;
     two-shot: after each wait); the other ranks go straight on to the next call. No end barrier
-    holds them back. calls_before: the workspaces start as if they had served that many calls.
-    Returns each result's violation (fused: of the normed output and of the residual)."""
+    holds them back. calls_before: the workspaces start as if they had served that many calls;
+    after(ranks) runs once the calls are done. Returns each result's violation (fused: of the
+    normed output and of the residual)."""
     world_size = 4
     ranks = _make_ranks(
         world_size,
@@ -459,6 +479,8 @@ def _three_calls_with_slow_rank(
 
         per_rank = ranks.run(lambda r, ws: [call(r, ws, *inputs) for inputs in data])
         ranks.check_errors()
+        if after is not None:
+            after(ranks)
         rtol, _ = TOLERANCES[torch.bfloat16]
         violations = []
         for i, (xs, residual, weight) in enumerate(data):
@@ -497,16 +519,25 @@ def test_fused_two_shot_with_whole_row_pieces_waits_for_a_slow_peer():
 def test_a_workspace_stays_correct_across_the_32_bit_wrap_of_its_call_count(
     variant, fused, max_blocks
 ):
-    """A server makes ~10^4 calls a second: 2^32 of them in days. The three calls start two
-    before the count passes 2^32, beside a slow peer: the one-shot buffers must keep rotating
-    (the count mod 3 repeats a buffer where it wraps), and a two-shot flag a block index has
-    not written since must not pass for this call's (a comparison of 32-bit call numbers by
-    signed distance takes any flag more than 2^31 calls old, a never-written one included)."""
+    """A server makes ~10^4 calls a second: 2^32 of them in days. The workspaces start as if
+    they had served 2^32 - 2 calls, and make calls 2^32 - 1, 2^32 and 2^32 + 1 beside a slow
+    peer: the one-shot buffers must keep rotating (a 32-bit count of one-shot calls mod 3
+    repeats a buffer where it wraps), and a two-shot flag no call has set for long must not pass
+    for this call's (32-bit call numbers compared by signed distance take any flag more than
+    2^31 calls old, a never-written one included). Afterwards every copy of the call state
+    holds 2^32 + 1, the last call's number (the high word carried)."""
     _, atol = TOLERANCES[torch.bfloat16]
+    numbers: set[int] = set()
     violations = _three_calls_with_slow_rank(
-        variant, False, fused=fused, max_blocks=max_blocks, calls_before=2**32 - 2
+        variant,
+        False,
+        fused=fused,
+        max_blocks=max_blocks,
+        calls_before=2**32 - 2,
+        after=lambda ranks: numbers.update(_call_numbers(ranks)),
     )
     assert max(violations) <= atol, violations
+    assert numbers == {2**32 + 1}
 
 
 def test_buffer_reuse_test_catches_a_kernel_without_the_rotating_buffers():
@@ -601,11 +632,13 @@ def test_cuda_graph_replays_1000_times_with_changing_inputs(world_size):
         ranks.close()
 
 
+@pytest.mark.parametrize("calls_before", [0, 2**32], ids=["first-call", "past-2^32"])
 @pytest.mark.parametrize(
     ("tokens", "hidden"), [(64, 2048), (4, 7168)], ids=["block-per-row", "row-split-cluster"]
 )
 @pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
-def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden):
+def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden, calls_before):
+    """The error names the absent rank and the call, by its whole 64-bit number."""
     world_size, timeout_ms = 4, 300
     ranks = _make_ranks(
         world_size,
@@ -619,6 +652,8 @@ def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden):
     tuning = ranks.workspaces[0].tuning
     assert config.row_blocks(tokens, hidden, code, tuning) == expected_row_blocks
     try:
+        if calls_before:
+            _as_if_served(ranks, calls_before)
         xs, residual, weight = _inputs(world_size, tokens, hidden, torch.bfloat16, seed=1)
         absent = world_size - 1  # this rank never calls
         start = time.perf_counter()
@@ -635,7 +670,10 @@ def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden):
         elapsed = time.perf_counter() - start
         assert elapsed < timeout_ms / 1000 + 3.0, f"took {elapsed:.2f} s to give up"
         for ws in ranks.workspaces[:absent]:
-            with pytest.raises(sk.CommTimeoutError, match=f"waiting for rank {absent}"):
+            with pytest.raises(
+                sk.CommTimeoutError,
+                match=f"waiting for rank {absent} .* in call {calls_before + 1};",
+            ):
                 ws.check_error()
         assert ranks.workspaces[absent].error() is None
         # The failed workspace refuses further work on the host, before touching the GPU.

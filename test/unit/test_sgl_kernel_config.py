@@ -275,8 +275,9 @@ def test_row_blocks_matches_the_kernels_cluster_bound():
 
 
 def test_the_python_mirror_has_the_headers_abi_flag_width_and_error_words():
-    """The ABI number says the layout changed; the flags' width and the error record's words
-    are what the Python side sizes and reads (64-bit call numbers since ABI 6)."""
+    """The ABI number says the layout changed; the flags' width, the error record's words and
+    the call state's are what the Python side sizes, reads and (GPU tests) sets (64-bit call
+    numbers since ABI 6)."""
     kernel_sources = Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "csrc"
     header = (kernel_sources / "sk_api.h").read_text()
     assert f"#define SK_ABI_VERSION {_lib.ABI_VERSION}\n" in header
@@ -284,6 +285,22 @@ def test_the_python_mirror_has_the_headers_abi_flag_width_and_error_words():
     assert f"#define SK_CTRL_ERR_EPOCH {_lib.CTRL_ERR_EPOCH} " in header
     assert f"#define SK_CTRL_ERR_EPOCH_HIGH {_lib.CTRL_ERR_EPOCH_HIGH} " in header
     assert _lib.CTRL_ERR_EPOCH_HIGH < _lib.CTRL_WORDS  # inside the host-mapped mirror
+    for name in ("STATE_EPOCH", "STATE_ONESHOT_BUFFER", "STATE_EPOCH_HIGH"):
+        assert f"#define SK_{name} {getattr(_lib, name)} " in header  # the GPU tests set them
+
+
+def test_ranks_of_two_kernel_versions_refuse_to_share_a_workspace(monkeypatch):
+    """CommWorkspace.create compares every rank's settings: a rank whose package has another
+    ABI (here 5, before the 64-bit flags) or another buffer layout is named, value by rank."""
+    tuning = sk.resolve_tuning(2)
+    current = workspace._shared_settings(2, 1 << 20, tuning)
+    assert workspace._disagreement([current, current]) is None
+    monkeypatch.setattr(_lib, "ABI_VERSION", 5)
+    monkeypatch.setattr(config, "LAMPORT_OFFSET", 32768)
+    older = workspace._shared_settings(2, 1 << 20, tuning)
+    message = workspace._disagreement([current, older])
+    assert message.startswith("ranks disagree on kernel ABI: [6, 5]; buffer layout: [")
+    assert "max_bytes: [" not in message and "use the same sgl-kernel-sm120 version" in message
 
 
 def test_fused_rows_per_block_defaults_to_unset_and_reads_its_variable(monkeypatch):

@@ -76,8 +76,8 @@ SM120_MAX_SHARED_BYTES = 99 * 1024
 RESOURCE_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def sm120_resource_usage(listing: str) -> dict[str, dict[str, int]]:
-    """{kernel: {REG, STACK, SHARED, LOCAL}} from `cuobjdump -res-usage -arch sm_120`."""
+def resource_usage(listing: str) -> dict[str, dict[str, int]]:
+    """{kernel: {REG, STACK, SHARED, LOCAL}} from `cuobjdump -res-usage -arch ARCH`."""
     usage: dict[str, dict[str, int]] = {}
     name = None
     for line in listing.splitlines():
@@ -91,9 +91,12 @@ def sm120_resource_usage(listing: str) -> dict[str, dict[str, int]]:
     return usage
 
 
-def test_sm120_kernels_neither_spill_nor_exceed_sm120_shared_memory():
-    listing = _run(_cuobjdump(), "-res-usage", "-arch", "sm_120", str(_installed_library()))
-    usage = sm120_resource_usage(listing)
+@pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
+def test_kernels_neither_spill_nor_exceed_sm120_shared_memory(arch):
+    """sm_120 is what ships; sm_90 is where the kernels are measured, and a spill there (several
+    kernels sit at the 128-register bound) would make every H200 number a spilled kernel's."""
+    listing = _run(_cuobjdump(), "-res-usage", "-arch", arch, str(_installed_library()))
+    usage = resource_usage(listing)
     assert any("all_reduce_kernel" in name for name in usage), listing[:2000]
     problems = [
         f"{name}: {values}"
@@ -108,6 +111,6 @@ def test_resource_usage_reader_sees_a_spill():
         " Function _Z3fooPv:\n  REG:128 STACK:16 SHARED:1092 LOCAL:16 CONSTANT[0]:1304\n"
         " Function _Z3barPv:\n  REG:64 STACK:0 SHARED:102400 LOCAL:0 CONSTANT[0]:1304\n"
     )
-    usage = sm120_resource_usage(listing)
+    usage = resource_usage(listing)
     assert usage["_Z3fooPv"]["LOCAL"] == 16 and usage["_Z3fooPv"]["STACK"] == 16
     assert usage["_Z3barPv"]["SHARED"] > SM120_MAX_SHARED_BYTES

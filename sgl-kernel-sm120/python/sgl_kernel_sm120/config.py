@@ -50,7 +50,6 @@ ONESHOT_FUSED_ROWS_PER_BLOCK = 2
 # A call has at most MAX_TOKENS rows: a bound past it never splits either.
 MAX_FUSED_ROWS_PER_BLOCK = MAX_TOKENS
 
-FLAGS_OFFSET = 0
 CONTROL_OFFSET = _lib.FLAG_WORDS * _lib.FLAG_BYTES  # 32 KiB of flags, then control and call state
 LAMPORT_OFFSET = 40960  # the buffers start 40 KiB in
 REGION_ALIGN = 256

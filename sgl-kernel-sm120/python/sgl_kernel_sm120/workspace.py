@@ -279,23 +279,12 @@ class CommWorkspace:
                 },
                 ranks_per_gpu=ranks_per_gpu,
             )
-            settings = (
-                max_bytes,
-                tuning.oneshot_max_bytes,
-                tuning.block_bytes,
-                tuning.max_blocks,
-                tuning.fused_rows_per_block,
-                tuning.row_split_blocks,
-            )
+            settings = _shared_settings(world_size, max_bytes, tuning)
         except Exception as exc:
             error = f"rank {rank}: {exc}"
-        all_settings = _agree(group, error, settings, "checking settings")
-        if len(set(all_settings)) != 1:
-            raise WorkspaceError(
-                "ranks disagree on (max_bytes, oneshot_max_bytes, block_bytes, max_blocks, "
-                "fused_rows_per_block, row_split_blocks): "
-                f"{all_settings}; use the same arguments and SGLANG_SM120_* variables"
-            )
+        disagreement = _disagreement(_agree(group, error, settings, "checking settings"))
+        if disagreement:
+            raise WorkspaceError(disagreement)
 
         # Stage 2: P2P between every pair of distinct GPUs.
         error = _p2p_problems(rank, dev, bus_ids)
@@ -528,6 +517,39 @@ class CommWorkspace:
                 lib.sk_launch(ctypes.byref(norm), self.device.index, stream),
                 f"launch (add + RMSNorm, {norm.blocks} blocks)",
             )
+
+
+def _shared_settings(
+    world_size: int, max_bytes: int, tuning: Tuning
+) -> tuple[tuple[str, Any], ...]:
+    """What every rank must have alike, as (name, value) pairs. The kernel ABI and the buffer
+    layout come from each rank's installed package: ranks of two versions would map each
+    other's buffers with different flag widths or offsets and exchange garbage."""
+    return (
+        ("kernel ABI", _lib.ABI_VERSION),
+        ("max_bytes", max_bytes),
+        ("oneshot_max_bytes", tuning.oneshot_max_bytes),
+        ("block_bytes", tuning.block_bytes),
+        ("max_blocks", tuning.max_blocks),
+        ("fused_rows_per_block", tuning.fused_rows_per_block),
+        ("row_split_blocks", tuning.row_split_blocks),
+        ("buffer layout", workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)),
+    )
+
+
+def _disagreement(all_settings: list[tuple[tuple[str, Any], ...]]) -> str | None:
+    """What the ranks' settings differ in (each value by rank), or None when they agree."""
+    differing = [
+        f"{name}: {[settings[i][1] for settings in all_settings]}"
+        for i, (name, _) in enumerate(all_settings[0])
+        if len({repr(settings[i]) for settings in all_settings}) > 1
+    ]
+    if not differing:
+        return None
+    return (
+        "ranks disagree on " + "; ".join(differing) + " (by rank): use the same sgl-kernel-sm120 "
+        "version, arguments and SGLANG_SM120_* variables on every rank"
+    )
 
 
 def _agree(group: Any, error: str | None, payload: Any, stage: str) -> list[Any]:
