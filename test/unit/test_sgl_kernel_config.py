@@ -301,6 +301,10 @@ def test_ranks_of_two_kernel_versions_refuse_to_share_a_workspace(monkeypatch):
     message = workspace._disagreement([current, older])
     assert message.startswith("ranks disagree on kernel ABI: [6, 5]; buffer layout: [")
     assert "max_bytes: [" not in message and "use the same sgl-kernel-sm120 version" in message
+    before_abi_6 = (1 << 20, tuning.oneshot_max_bytes, 4096, 128, None, ())  # bare values
+    message = workspace._disagreement([current, before_abi_6])
+    assert message.startswith("ranks run different sgl-kernel-sm120 versions")
+    assert workspace._disagreement([before_abi_6, current]).startswith("ranks run different")
 
 
 def test_fused_rows_per_block_defaults_to_unset_and_reads_its_variable(monkeypatch):

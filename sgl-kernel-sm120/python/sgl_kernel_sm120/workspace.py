@@ -537,8 +537,19 @@ def _shared_settings(
     )
 
 
-def _disagreement(all_settings: list[tuple[tuple[str, Any], ...]]) -> str | None:
-    """What the ranks' settings differ in (each value by rank), or None when they agree."""
+def _disagreement(all_settings: list[Any]) -> str | None:
+    """What the ranks' settings differ in (each value by rank), or None when they agree. A
+    rank whose settings are not the same list of names runs another version (before ABI 6
+    they were bare values)."""
+    names = {
+        repr([p[0] if isinstance(p, tuple) and len(p) == 2 else None for p in settings])
+        for settings in all_settings
+    }
+    if len(names) > 1:
+        return (
+            "ranks run different sgl-kernel-sm120 versions (their settings, by rank: "
+            f"{all_settings}): install the same version on every rank"
+        )
     differing = [
         f"{name}: {[settings[i][1] for settings in all_settings]}"
         for i, (name, _) in enumerate(all_settings[0])
