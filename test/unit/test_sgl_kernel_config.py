@@ -293,11 +293,16 @@ def test_ranks_of_two_kernel_versions_refuse_to_share_a_workspace(monkeypatch):
     """CommWorkspace.create compares every rank's settings: a rank whose package has another
     ABI (here 5, before the 64-bit flags) or another buffer layout is named, value by rank."""
     tuning = sk.resolve_tuning(2)
-    current = workspace._shared_settings(2, 1 << 20, tuning)
+
+    def settings():
+        layout = config.workspace_layout(2, 1 << 20, tuning.oneshot_max_bytes)
+        return workspace._shared_settings(1 << 20, tuning, layout)
+
+    current = settings()
     assert workspace._disagreement([current, current]) is None
     monkeypatch.setattr(_lib, "ABI_VERSION", 5)
     monkeypatch.setattr(config, "LAMPORT_OFFSET", 32768)
-    older = workspace._shared_settings(2, 1 << 20, tuning)
+    older = settings()
     message = workspace._disagreement([current, older])
     assert message.startswith("ranks disagree on kernel ABI: [6, 5]; buffer layout: [")
     assert "max_bytes: [" not in message and "use the same sgl-kernel-sm120 version" in message

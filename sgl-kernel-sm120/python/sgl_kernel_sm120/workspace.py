@@ -279,7 +279,8 @@ class CommWorkspace:
                 },
                 ranks_per_gpu=ranks_per_gpu,
             )
-            settings = _shared_settings(world_size, max_bytes, tuning)
+            layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
+            settings = _shared_settings(max_bytes, tuning, layout)
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         disagreement = _disagreement(_agree(group, error, settings, "checking settings"))
@@ -290,8 +291,7 @@ class CommWorkspace:
         error = _p2p_problems(rank, dev, bus_ids)
         _agree(group, error, None, "checking P2P access")
 
-        # Stage 3: allocate, export, import.
-        layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
+        # Stage 3: allocate, export, import (the layout all ranks agreed on in stage 1).
         error, handle, own = None, b"", 0
         try:
             own = _alloc(dev, layout)
@@ -520,7 +520,7 @@ class CommWorkspace:
 
 
 def _shared_settings(
-    world_size: int, max_bytes: int, tuning: Tuning
+    max_bytes: int, tuning: Tuning, layout: WorkspaceLayout
 ) -> tuple[tuple[str, Any], ...]:
     """What every rank must have alike, as (name, value) pairs. The kernel ABI and the buffer
     layout come from each rank's installed package: ranks of two versions would map each
@@ -533,7 +533,7 @@ def _shared_settings(
         ("max_blocks", tuning.max_blocks),
         ("fused_rows_per_block", tuning.fused_rows_per_block),
         ("row_split_blocks", tuning.row_split_blocks),
-        ("buffer layout", workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)),
+        ("buffer layout", layout),
     )
 
 
