@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_library import KERNEL_REQUIRED_ENV, kernel_required
 
 try:
     import sgl_kernel_sm120 as sk
@@ -36,6 +35,7 @@ from sgl_kernel_sm120.testing import (
     TOLERANCES,
     LocalRanks,
     max_violation,
+    rank_inputs,
     reference_all_reduce,
     reference_fused,
 )
@@ -43,6 +43,7 @@ from sgl_kernel_sm120.testing import (
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("kernel_library_loaded"),
 ]
 
 WORLD_SIZES = [2, 4, 8]
@@ -50,16 +51,6 @@ TOKENS = [1, 2, 3, 8, 16, 64, 127, 256, 512, 1024, 2048]
 HIDDENS = [2048, 4096, 7168]
 MAX_TOKENS = 2048
 EPS = 1e-6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _library() -> None:
-    try:
-        _lib.lib()
-    except _lib.LibraryError as exc:
-        if kernel_required():
-            pytest.fail(f"{KERNEL_REQUIRED_ENV}=1 but the library is unusable: {exc}")
-        pytest.skip(f"sgl-kernel-sm120 library not built: {exc}")
 
 
 def _make_ranks(world_size: int, max_tokens: int = MAX_TOKENS, hidden: int = 7168, **kw):
@@ -73,18 +64,6 @@ def forced_ranks(request):
     ranks = _make_ranks(request.param, oneshot_max_bytes=MAX_TOKENS * 7168 * 2)
     yield ranks
     ranks.close()
-
-
-def _inputs(world_size: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, device="cuda")
-
-    xs = [randn(tokens, hidden).to(dtype) for _ in range(world_size)]
-    residual = randn(tokens, hidden).to(dtype)
-    weight = (1.0 + 0.1 * randn(hidden)).to(dtype)
-    return xs, residual, weight
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -120,7 +99,7 @@ def _fused_matches_reference(
     ranks: LocalRanks, tokens: int, hidden: int, variant: str | None, seed: int, what: str
 ) -> None:
     """One fused call of `variant` on every rank, checked against the fp32 reference."""
-    xs, residual, weight = _inputs(ranks.world_size, tokens, hidden, torch.bfloat16, seed=seed)
+    xs, residual, weight = rank_inputs(ranks.world_size, tokens, hidden, seed=seed)
     outs = ranks.run(
         lambda r, ws: sk.fused_allreduce_add_rmsnorm(
             xs[r], residual, weight, EPS, ws, variant=variant
@@ -134,7 +113,7 @@ def test_all_reduce_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
     n = forced_ranks.world_size
     for tokens in TOKENS:
         for hidden in HIDDENS:
-            xs, _, _ = _inputs(n, tokens, hidden, torch.bfloat16, seed=tokens * 7 + hidden)
+            xs, _, _ = rank_inputs(n, tokens, hidden, seed=tokens * 7 + hidden)
             outs = forced_ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws, variant=variant))
             _check_plain(forced_ranks, xs, outs, f"world {n} {variant} {tokens}x{hidden}")
 
@@ -144,7 +123,9 @@ def test_fused_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
     n = forced_ranks.world_size
     for tokens in TOKENS:
         for hidden in HIDDENS:
-            xs, residual, weight = _inputs(n, tokens, hidden, torch.bfloat16, seed=tokens + hidden)
+            xs, residual, weight = rank_inputs(
+                n, tokens, hidden, torch.bfloat16, seed=tokens + hidden
+            )
             outs = forced_ranks.run(
                 lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
                     xs[r], res, w, EPS, ws, variant=variant
@@ -170,7 +151,9 @@ def test_fused_split_into_all_reduce_and_norm_launches_matches_reference(world_s
             blocks = ranks.workspaces[0].plan(nbytes)[1]
             split = sk.split_fused(tokens, blocks, ranks.workspaces[0].tuning, code[variant])
             assert split == (tokens > blocks)
-            xs, residual, weight = _inputs(world_size, tokens, 7168, torch.bfloat16, seed=tokens)
+            xs, residual, weight = rank_inputs(
+                world_size, tokens, 7168, torch.bfloat16, seed=tokens
+            )
             outs = ranks.run(
                 lambda r, ws, xs=xs, res=residual, w=weight: sk.fused_allreduce_add_rmsnorm(
                     xs[r], res, w, EPS, ws, variant=variant
@@ -226,7 +209,7 @@ def test_inputs_holding_the_not_arrived_pattern_still_arrive(op):
     world_size, tokens, hidden = 4, 4, 2048
     ranks = _make_ranks(world_size, max_tokens=tokens, hidden=hidden, timeout_ms=2000)
     try:
-        xs, residual, weight = _inputs(world_size, tokens, hidden, torch.bfloat16, seed=9)
+        xs, residual, weight = rank_inputs(world_size, tokens, hidden, seed=9)
         xs[1].view(torch.int16)[2, 100] = -1  # 0xFFFF
         if op == "plain":
             outs = ranks.run(lambda r, ws: sk.all_reduce(xs[r], ws, variant="oneshot"))
@@ -256,7 +239,7 @@ def test_inputs_holding_the_not_arrived_pattern_still_arrive(op):
 
 def test_inputs_are_not_modified(forced_ranks):
     n = forced_ranks.world_size
-    xs, residual, weight = _inputs(n, 5, 2048, torch.bfloat16, seed=3)
+    xs, residual, weight = rank_inputs(n, 5, 2048, seed=3)
     copies = [x.clone() for x in xs], residual.clone(), weight.clone()
     forced_ranks.run(lambda r, ws: sk.fused_allreduce_add_rmsnorm(xs[r], residual, weight, EPS, ws))
     forced_ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws))
@@ -277,7 +260,7 @@ def test_fp16_matches_fp32_reference(world_size, variant):
     )
     try:
         for tokens in (1, 33, 256):
-            xs, residual, weight = _inputs(world_size, tokens, 4096, torch.float16, seed=tokens)
+            xs, residual, weight = rank_inputs(world_size, tokens, 4096, torch.float16, seed=tokens)
             outs = ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws, variant=variant))
             _check_plain(ranks, xs, outs, f"fp16 {variant} {tokens}")
             outs = ranks.run(
@@ -300,7 +283,9 @@ def test_variant_is_chosen_by_size_with_default_thresholds(world_size):
             nbytes = tokens * 7168 * 2
             expected = _lib.VARIANT_ONESHOT if nbytes <= threshold else _lib.VARIANT_TWOSHOT
             assert ranks.workspaces[0].plan(nbytes)[0] == expected
-            xs, residual, weight = _inputs(world_size, tokens, 7168, torch.bfloat16, seed=tokens)
+            xs, residual, weight = rank_inputs(
+                world_size, tokens, 7168, torch.bfloat16, seed=tokens
+            )
             outs = ranks.run(lambda r, ws, xs=xs: sk.all_reduce(xs[r], ws))
             _check_plain(ranks, xs, outs, f"auto {tokens}")
             outs = ranks.run(
@@ -366,9 +351,7 @@ def test_back_to_back_calls_of_different_sizes_without_sync(forced_ranks):
         (7, "fused", "twoshot"),
         (2, "plain", "twoshot"),
     ]
-    data = [
-        _inputs(world_size, t, 7168, torch.bfloat16, seed=i) for i, (t, _, _) in enumerate(sequence)
-    ]
+    data = [rank_inputs(world_size, t, 7168, seed=i) for i, (t, _, _) in enumerate(sequence)]
 
     def enqueue_all(rank, ws):
         results = []
@@ -468,7 +451,7 @@ def _three_calls_with_slow_rank(
             _as_if_served(ranks, calls_before)
         for ws in ranks.workspaces:
             ws._set_debug(single_buffer=single_buffer, delay_rank=0, delay_us=2000)
-        data = [_inputs(world_size, 64, 2048, torch.bfloat16, seed=s) for s in range(3)]
+        data = [rank_inputs(world_size, 64, 2048, seed=s) for s in range(3)]
 
         def call(r, ws, xs, residual, weight):
             if fused:
@@ -560,10 +543,7 @@ def test_cuda_graph_replays_1000_times_with_changing_inputs(world_size):
         (5, "plain", None),
     ]
     data = [
-        [
-            _inputs(world_size, t, 7168, torch.bfloat16, seed=100 * k + i)
-            for i, (t, _, _) in enumerate(calls)
-        ]
+        [rank_inputs(world_size, t, 7168, seed=100 * k + i) for i, (t, _, _) in enumerate(calls)]
         for k in range(sets)
     ]
     refs = []
@@ -654,7 +634,7 @@ def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden, c
     try:
         if calls_before:
             _as_if_served(ranks, calls_before)
-        xs, residual, weight = _inputs(world_size, tokens, hidden, torch.bfloat16, seed=1)
+        xs, residual, weight = rank_inputs(world_size, tokens, hidden, seed=1)
         absent = world_size - 1  # this rank never calls
         start = time.perf_counter()
         ranks.run(
@@ -687,7 +667,7 @@ def test_late_peer_within_timeout_is_waited_for():
     world_size = 4
     ranks = _make_ranks(world_size, max_tokens=64, hidden=2048, timeout_ms=5000)
     try:
-        xs, residual, weight = _inputs(world_size, 16, 2048, torch.bfloat16, seed=2)
+        xs, residual, weight = rank_inputs(world_size, 16, 2048, seed=2)
 
         def late_last_rank(rank, ws):
             if rank == world_size - 1:
@@ -708,7 +688,7 @@ def test_ops_trace_under_torch_compile():
     world_size = 2
     ranks = _make_ranks(world_size, max_tokens=64, hidden=2048, timeout_ms=120_000)
     try:
-        xs, residual, weight = _inputs(world_size, 16, 2048, torch.bfloat16, seed=4)
+        xs, residual, weight = rank_inputs(world_size, 16, 2048, seed=4)
 
         def layer_tail(x, res, w, workspace_id: int):
             norm, new_res = torch.ops.sgl_kernel_sm120.fused_allreduce_add_rmsnorm(

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from kernel_library import KERNEL_REQUIRED_ENV, kernel_required
 
 try:
     import sgl_kernel_sm120 as sk
@@ -21,10 +20,10 @@ except ImportError:  # not installed: use the sources (the library then comes fr
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "python"))
     import sgl_kernel_sm120 as sk
 
-from sgl_kernel_sm120 import _lib
 from sgl_kernel_sm120.testing import (
     TOLERANCES,
     max_violation,
+    rank_inputs,
     reference_all_reduce,
     reference_fused,
 )
@@ -32,34 +31,13 @@ from sgl_kernel_sm120.testing import (
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("kernel_library_loaded"),
 ]
 
 EPS = 1e-6
 HIDDEN = 2048
 MAX_TOKENS = 128
 JOIN_TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _library() -> None:
-    try:
-        _lib.lib()
-    except _lib.LibraryError as exc:
-        if kernel_required():
-            pytest.fail(f"{KERNEL_REQUIRED_ENV}=1 but the library is unusable: {exc}")
-        pytest.skip(f"sgl-kernel-sm120 library not built: {exc}")
-
-
-def _inputs(world_size: int, tokens: int, seed: int):
-    """Every rank's inputs, generated identically in every process from the seed."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    xs = [
-        torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
-        for _ in range(world_size)
-    ]
-    residual = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
-    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16()
-    return xs, residual, weight
 
 
 def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -92,7 +70,7 @@ def _correctness(rank: int, world_size: int) -> None:
             (8, "plain", None),
         ]
         for i, (tokens, op, variant) in enumerate(cases):
-            xs, residual, weight = _inputs(world_size, tokens, seed=i)
+            xs, residual, weight = rank_inputs(world_size, tokens, HIDDEN, seed=i)
             what = f"world {world_size} rank {rank} {op} {variant} {tokens}"
             if op == "plain":
                 out = sk.all_reduce(xs[rank], ws, variant=variant)
@@ -112,7 +90,7 @@ def _correctness(rank: int, world_size: int) -> None:
                 _same_on_all_ranks(norm, what)
 
         # CUDA graph over the IPC path, a few replays with changing inputs.
-        sets = [_inputs(world_size, 16, seed=100 + k) for k in range(3)]
+        sets = [rank_inputs(world_size, 16, HIDDEN, seed=100 + k) for k in range(3)]
         x, residual, weight = (t.clone() for t in (sets[0][0][rank], sets[0][1], sets[0][2]))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -146,7 +124,7 @@ def _timeout(rank: int, world_size: int) -> None:
     timeout_ms = 2000
     ws = sk.CommWorkspace.create(dist.group.WORLD, MAX_TOKENS, HIDDEN, timeout_ms=timeout_ms)
     try:
-        xs, _, _ = _inputs(world_size, 4, seed=0)
+        xs, _, _ = rank_inputs(world_size, 4, HIDDEN, seed=0)
         # Processes time-slice this GPU: line the ranks up first, so that the warm-up call is not
         # judged by one rank's slow first kernels (random inputs) against the bound.
         torch.cuda.synchronize()
@@ -180,7 +158,7 @@ def _compiled(rank: int, world_size: int) -> None:
             return norm * 2, new_res, sk.all_reduce(x * 0.5, ws)
 
         for seed in range(3):
-            xs, residual, weight = _inputs(world_size, 24, seed=seed)
+            xs, residual, weight = rank_inputs(world_size, 24, HIDDEN, seed=seed)
             norm2, res, plain = layer_tail(xs[rank], residual, weight)
             torch.cuda.synchronize()
             ws.check_error()

@@ -41,6 +41,22 @@ def max_violation(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> 
     return ((actual.float() - expected).abs() - rtol * expected.abs()).amax()
 
 
+def rank_inputs(
+    world_size: int, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Every rank's input, a residual and a norm weight near 1, drawn on the GPU from `seed`:
+    the same tensors in every process that asks with the same seed (one rank per process)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda")
+
+    xs = [randn(tokens, hidden).to(dtype) for _ in range(world_size)]
+    residual = randn(tokens, hidden).to(dtype)
+    weight = (1.0 + 0.1 * randn(hidden)).to(dtype)
+    return xs, residual, weight
+
+
 class LocalRanks:
     """Runs one closure per rank, each on its own stream, for `create_local` workspaces.
 
