@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dis
 import json
 import os
 import re
@@ -398,3 +399,105 @@ def test_a_signal_while_results_waits_stops_the_batch_and_starts_nothing_more(ti
         assert all(done.is_set() for done in servers.done)
     finally:
         runs.stop_all()  # whatever a failure left running
+
+
+def _handler_may_run(frame, event: str) -> bool:
+    """Whether a pending signal's handler could raise at this trace event of the waiting thread.
+    CPython runs it on entering a function and after a CALL instruction returns: every call
+    event, and a return event when the caller called with CALL (not ``__enter__`` by a ``with``).
+    Every line of e2e.py counts too, more than CPython would, so ours is safe wherever."""
+    if event == "call":
+        return True
+    if event == "line":
+        return frame.f_code.co_filename.endswith("e2e.py")
+    caller = frame.f_back
+    return caller is not None and dis.opname[caller.f_code.co_code[caller.f_lasti]] == "CALL"
+
+
+def _raise_at_event(number: int) -> tuple[object, list[str]]:
+    """A trace function raising KeyboardInterrupt in the waiting thread's code (threading.py,
+    e2e.py) at the ``number``-th point where a signal handler could, and the points it saw."""
+    seen: list[str] = []
+
+    def local(frame, event, arg):
+        if event in ("call", "line", "return") and _handler_may_run(frame, event):
+            seen.append(f"{frame.f_code.co_name}:{frame.f_lineno}:{event}")
+            if len(seen) == number:
+                raise KeyboardInterrupt
+        return local
+
+    def global_(frame, event, arg):
+        if not frame.f_code.co_filename.endswith(("threading.py", "e2e.py")):
+            return None
+        return local(frame, event, arg)
+
+    return global_, seen
+
+
+def _batch_interrupted_at(number: int, log_dir: Path) -> tuple[list, list[str], list[str]]:
+    """Two servers started at once, waited for as the selftest does, and an interrupt at the
+    ``number``-th event of the waiting thread from the ``with`` on. The servers are stand-ins
+    that run until ``stop_all``. Returns (how the wait ended, its events, servers left)."""
+    runs = h.ServerRuns(log_dir / "runs", log_dir)
+    live: list[str] = []
+
+    def serve(launch: h.Launch) -> h.RunResult:
+        live.append(launch.name)
+        try:
+            runs.stopping.wait(timeout=30)
+            raise h.ServerFailed("stopped", log_dir / "log")
+        finally:
+            live.remove(launch.name)
+
+    runs.get = serve
+    trace, seen = _raise_at_event(number)
+    outcome: list[BaseException] = []
+
+    def wait_like_the_selftest() -> None:
+        launches = [h.Launch(f"fake{i}", 1, "off", prompts=("a",)) for i in range(2)]
+        sys.settrace(trace)
+        try:
+            with runs.start(launches, at_once=True) as servers:
+                servers.results()
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            sys.settrace(None)
+
+    waiter = threading.Thread(target=wait_like_the_selftest, daemon=True)
+    waiter.start()
+    waiter.join(timeout=20)
+    return outcome, seen, live
+
+
+def _caused_by_interrupt(exc: BaseException | None) -> bool:
+    """KeyboardInterrupt, or an error raised while it unwound (a lock released twice in
+    threading.py), as the selftest's stop_requested_in finds StopRequested."""
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__context__
+    return False
+
+
+def test_an_interrupt_anywhere_in_the_wait_still_stops_the_batch(tmp_path, monkeypatch) -> None:
+    """The selftest's signal handler raises at whatever bytecode the main thread is at. One that
+    lands just after the waiting main thread took a lock its server threads need (inside
+    ``threading.Event.wait``, say) leaves it held: the threads block on it and the batch never
+    stops (a SIGTERM that CI saw unanswered for 90 s). Here the interrupt lands at each event
+    in turn, from starting the threads to two rounds of the wait for them; every time the
+    wait must end by it with no server left."""
+    monkeypatch.setattr(h.ServerBatch, "SIGNAL_CHECK_S", 0.005)
+    monkeypatch.setattr(h.ServerBatch, "STOP_WAIT_S", 5.0)
+    number = 0
+    while True:
+        number += 1
+        outcome, seen, live = _batch_interrupted_at(number, tmp_path)
+        where = seen[number - 1] if len(seen) >= number else "no such event"
+        assert outcome, f"interrupt at event {number} ({where}): the wait never ended"
+        assert _caused_by_interrupt(outcome[0]), (number, where, outcome)
+        assert not live, f"interrupt at event {number} ({where}): {live} still running"
+        rounds = [e for e in seen[:number] if e.startswith("results:") and e.endswith(":line")]
+        if rounds and rounds.count(rounds[0]) >= 3:
+            break  # two whole rounds of the wait covered
+        assert number < 2000, "the wait never came round"
