@@ -41,14 +41,15 @@ def server_pids(log_dir: Path) -> list[int]:
 
 
 def wait_until_main_thread_blocks(pid: int, timeout_s: float = 60.0) -> None:
-    """Until the main thread of process ``pid`` sleeps on a futex (a lock or event wait), as it
-    does once it waits for its servers; TimeoutError otherwise."""
+    """Until the main thread of process ``pid`` sleeps in the kernel (a timed sleep, or a lock
+    or event wait on a futex), as it does once it waits for its servers; TimeoutError
+    otherwise."""
     deadline = time.monotonic() + timeout_s
     task = f"/proc/{pid}/task/{pid}"
     while time.monotonic() < deadline:
         with open(f"{task}/stat") as stat, open(f"{task}/wchan") as wchan:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
-            if state == "S" and "futex" in wchan.read():
+            state, waits_in = stat.read().rsplit(")", 1)[1].split()[0], wchan.read()
+            if state == "S" and ("nanosleep" in waits_in or "futex" in waits_in):
                 return
         time.sleep(0.2)
     raise TimeoutError(f"the main thread of {pid} never blocked within {timeout_s:.0f} s")

@@ -396,7 +396,7 @@ def test_a_signal_while_results_waits_stops_the_batch_and_starts_nothing_more(ti
         starts = [line for _, line in timeline.lines if "starting server" in line]
         assert len(starts) == 1, starts
         assert len(list(runs.log_dir.glob("*.log"))) == 1
-        assert all(done.is_set() for done in servers.done)
+        assert all(servers.finished)
     finally:
         runs.stop_all()  # whatever a failure left running
 

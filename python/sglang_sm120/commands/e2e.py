@@ -635,12 +635,16 @@ class ServerBatch:
     ``ServerRuns``'s ``max_running``), or one thread running them all in order. Each
     server is a subprocess in its own process group, so a thread only waits on it. Signals
     reach the main thread alone: leaving the ``with`` block by any exception (a signal's
-    included) stops every server of ``runs`` before it propagates."""
+    included) stops every server of ``runs`` before it propagates.
+
+    The main thread waits by polling flags the threads set, sleeping in between, and takes no
+    lock the threads need: a signal handler raises at whatever bytecode the main thread is at,
+    and one that lands just after it took a lock (inside ``threading.Event.wait``, say) leaves
+    that lock held, so a thread setting the event would block for good."""
 
     STOP_WAIT_S = 180.0  # a server stopped by stop_all leaves its thread within seconds
-    # results() waits in slices this long: a signal sent to the process may be handed to any
-    # thread, and one handed to a server thread wakes no untimed wait of the main thread, so
-    # its handler (run by the main thread alone) would sit until the servers were done.
+    # The main thread looks at the flags this often; a signal sent to the process may be handed
+    # to any thread, and the main thread runs its handler (it alone does) when it next wakes.
     SIGNAL_CHECK_S = 0.2
 
     def __init__(
@@ -654,15 +658,18 @@ class ServerBatch:
         self.outcomes: dict[int, RunResult | BaseException] = {}
         everything = list(range(len(self.launches)))
         groups = [[i] for i in everything] if at_once else [everything]
-        # Each thread sets its own event when done. Thread.join is not used to wait: on
-        # Python 3.11 a join interrupted by a signal marks the still-running thread stopped.
-        self.done = [threading.Event() for _ in groups]
+        # Set by each thread, read by the main thread: plain assignments, no lock. Thread.join
+        # is not used to wait: on Python 3.11 a join interrupted by a signal marks the
+        # still-running thread stopped.
+        self.begun = [False] * len(groups)
+        self.finished = [False] * len(groups)
         self.threads = [
-            threading.Thread(target=self._run, args=(group, done), daemon=True)
-            for group, done in zip(groups, self.done, strict=True)
+            threading.Thread(target=self._run, args=(group, slot), daemon=True)
+            for slot, group in enumerate(groups)
         ]
 
-    def _run(self, indices: list[int], done: threading.Event) -> None:
+    def _run(self, indices: list[int], slot: int) -> None:
+        self.begun[slot] = True
         try:
             for i in indices:
                 if self.runs.stopping.is_set():
@@ -672,19 +679,22 @@ class ServerBatch:
                 except BaseException as exc:  # handed to the caller's thread by results()
                     self.outcomes[i] = exc
         finally:
-            done.set()
+            self.finished[slot] = True
 
     def __enter__(self) -> ServerBatch:
-        for thread in self.threads:
-            thread.start()
-        return self
+        try:
+            for thread in self.threads:
+                thread.start()
+            return self
+        except BaseException:  # a signal while a thread starts: stop what the others began
+            self.__exit__(*sys.exc_info())
+            raise
 
     def results(self) -> list[RunResult | ServerFailed]:
         """Each launch's result or its ServerFailed, in order, once all are done; any other
         error of a launch is raised here."""
-        for done in self.done:
-            while not done.wait(timeout=self.SIGNAL_CHECK_S):
-                pass  # between slices the main thread runs a pending signal's handler
+        while not all(self.finished):
+            time.sleep(self.SIGNAL_CHECK_S)  # a pending signal's handler runs as it wakes
         outcomes = [self.outcomes[i] for i in range(len(self.launches))]
         for outcome in outcomes:
             if not isinstance(outcome, (RunResult, ServerFailed)):
@@ -692,13 +702,18 @@ class ServerBatch:
         return outcomes  # type: ignore[return-value]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """On an exception, stop every server and wait for the threads that began; one that has
+        not begun starts nothing, since ``stopping`` stays set until every thread finished."""
         if exc_type is None:
             return
         self.runs.stop_all()
         deadline = time.monotonic() + self.STOP_WAIT_S
-        for done in self.done:
-            done.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if all(done.is_set() for done in self.done):
+        while time.monotonic() < deadline and any(
+            begun and not finished
+            for begun, finished in zip(self.begun, self.finished, strict=True)
+        ):
+            time.sleep(self.SIGNAL_CHECK_S)
+        if all(self.finished):
             self.runs.stopping.clear()  # else a thread still running must not start another
 
 
