@@ -7,7 +7,8 @@
 #       all of test/gpu with the library required (OUT/early.txt, OUT/gpu.txt)
 #   bash benchmark/results/1xH200-2026-12-05-pdl/run-candidate-2.sh ab OUT
 #       benchmark/ab_kernels.sh, 3 rounds: base = this checkout's kernel with SGLANG_SM120_PDL=0
-#       against pdl = the candidate's, `--mode local --skip-baselines` (OUT/ab.txt and the rest)
+#       against pdl = the candidate's, `--mode local --skip-baselines` (OUT/ab.txt and the rest);
+#       ROUNDS (default 3) and TOKENS (default: bench_allreduce's own list) to fit a shorter call
 #
 # The candidate is applied to a copy in /tmp, so the checkout stays as it is.
 set -uo pipefail
@@ -38,9 +39,10 @@ tests)
   ;;
 ab)
   echo 'import os; os.environ["SGLANG_SM120_PDL"] = "0"' > "$work/pdl_off.py"
-  ROUNDS=3 AB_WORK=$work/ab bash benchmark/ab_kernels.sh "$OUT" \
+  ROUNDS=${ROUNDS:-3} AB_WORK=$work/ab bash benchmark/ab_kernels.sh "$OUT" \
     "base=$work/base.cu:$work/pdl_off.py" \
-    "pdl=sgl-kernel-sm120/csrc/all_reduce.cu" -- --mode local --skip-baselines
+    "pdl=sgl-kernel-sm120/csrc/all_reduce.cu" -- --mode local --skip-baselines \
+    ${TOKENS:+--tokens $TOKENS}
   ;;
 *) echo "unknown step $STEP (tests or ab)"; exit 2 ;;
 esac
