@@ -151,9 +151,62 @@ __device__ __forceinline__ bool first_thread_of_grid() {
 __device__ __forceinline__ void stamp(const SkLaunchParams& p, int index) {
   if (p.timeline != nullptr && first_thread_of_grid()) {
     p.timeline[index] = clock64();
-    if (index == 0) p.timeline[6] = globaltimer_ns();
     if (index == 5) p.timeline[7] = globaltimer_ns();
   }
+}
+
+// Phase 0 is the block's start, read before the wait for the previous kernel (a launch that
+// overlapped it shows as a long phase 0) and stored after it.
+struct Start {
+  long long clock = 0;
+  uint64_t ns = 0;
+};
+
+__device__ __forceinline__ Start read_start(const SkLaunchParams& p) {
+  Start start;
+  if (p.timeline != nullptr) {
+    start.clock = clock64();
+    start.ns = globaltimer_ns();
+  }
+  return start;
+}
+
+__device__ __forceinline__ void stamp_start(const SkLaunchParams& p, const Start& start) {
+  if (p.timeline != nullptr && first_thread_of_grid()) {
+    p.timeline[0] = start.clock;
+    p.timeline[6] = start.ns;
+  }
+}
+
+// Programmatic dependent launch (PDL; sk_launch asks for it unless p.early_launch is 0). The
+// next kernel in a stream may then be launched, and its blocks made resident, before this one
+// has finished. Two rules keep that invisible:
+// - Memory: every kernel calls wait_for_previous_kernel before its first global memory access
+//   (its input may be the previous kernel's output, its call state the previous call's). It
+//   returns once the kernel right before it in the stream has finished and its writes are
+//   visible; at once where the launch did not overlap it. The "memory" clobber keeps loads below
+//   it (test_sgl_kernel_fatbin checks the SASS of every kernel). It covers only that one
+//   kernel: a call's state is the previous call's because every kernel of ours waits at entry,
+//   so a chain of ours is ordered end to end. A kernel of another library between two of our
+//   calls, launched early and finishing without waiting for its own predecessor, would break
+//   the chain: PDL-launched kernels must wait before they exit (SGLang's and FlashInfer's do),
+//   and SGLANG_SM120_PDL=0 is the way out where one does not.
+// - residual_in may be the previous kernel's output, written on other SMs while this kernel is
+//   already resident: it is read with __ldcg (L2), never through the non-coherent L1 (__ldg),
+//   which the wait is not documented to invalidate. weight is read-only across calls.
+// - Progress: a block calls let_next_kernel_launch only once it has seen data (or a flag) of
+//   every peer block it will still wait on, so those blocks have started. The next kernel
+//   launches when every block of this one has called it or exited, and then takes only SM
+//   room this call does not need: where ranks share a GPU, no block a call waits on can be
+//   kept off the GPU by a next kernel resident early (its blocks wait, unbounded, for this
+//   one). The instruction counts for the whole block at the first thread that issues it, so a
+//   thread with nothing to wait for must not issue it before its block's waits.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+__device__ __forceinline__ void let_next_kernel_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // 64-bit call numbers never wrap (2^64 calls take ~6 million years at 10^5 a second).
@@ -449,7 +502,7 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
     for (int k = 0; k < kMaxVecPerThread; ++k) {
       const int c = t + k * SK_THREADS;
       if (c < row_vecs) {
-        res[k] = __ldg(residual_in + base + c);
+        res[k] = __ldcg(residual_in + base + c);
         w[k] = __ldg(weight + c);
       }
     }
@@ -469,6 +522,8 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
     bool aborted;
     sum_sq = block_sum(sum_sq, sh, aborted);
     if (aborted) return false;
+    // Past the barrier of its last row every thread of the block has its data: no more waits.
+    if (row + static_cast<int>(gridDim.x) >= p.rows) let_next_kernel_launch();
     const float scale = rsqrtf(sum_sq / static_cast<float>(p.hidden) + p.eps);
 #pragma unroll
     for (int k = 0; k < kMaxVecPerThread; ++k) {
@@ -514,7 +569,7 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
   for (int k = 0; k < kMaxVecPerSlice; ++k) {
     const int c = lo + t + k * SK_THREADS;
     if (c < hi) {
-      res[k] = __ldg(residual_in + base + c);
+      res[k] = __ldcg(residual_in + base + c);
       w[k] = __ldg(weight + c);
     }
   }
@@ -536,6 +591,9 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
   }
   bool aborted;
   sum_sq = block_sum<false>(sum_sq, sh, aborted);  // one row per block: no reuse
+  // Past the barrier every thread has its peers' data; what is left waits only for this
+  // cluster's blocks, which run together.
+  if (!aborted) let_next_kernel_launch();
   const float total = cluster_row_total(sh, sum_sq);
   if (aborted) return false;
   const float scale = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
@@ -635,7 +693,7 @@ __device__ bool add_rmsnorm_reduced_rows(const SkLaunchParams& p, Shared& sh, co
         const int c = t + k * SK_THREADS;
         if (row >= 0 && c < row_vecs) {
           x[r][k] = __ldcg(reduced + base + c);
-          res[r][k] = __ldg(residual_in + base + c);
+          res[r][k] = __ldcg(residual_in + base + c);
         }
       }
     }
@@ -855,6 +913,10 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
     for (int64_t v = v0 + t; v < v1; v += SK_THREADS) {
       float acc[8];
       if (!sum_arrived<T>(acc, p, sh, slots, slot_vecs, input, v, epoch)) break;
+      // Every peer's block of this index pushed vector v: each has started, and it pushes
+      // every vector this block waits for (the same partition). A thread without a vector
+      // never issues it; a block without any counts as having issued it when it exits.
+      if (v == v0 + t) let_next_kernel_launch();
       output[v] = Vec8<T>::pack(acc);
     }
     stamp(p, 4);
@@ -948,8 +1010,10 @@ __device__ void run_twoshot(const KernelParams& p, Shared& sh, uint64_t epoch, i
   signal(p, kKindGather, parity, epoch, block, kFused && !kPieces);
   stamp(p, 4);
 
+  // After the last wait (its barrier: every thread is past it) the block waits for no peer.
   if constexpr (!kFused) {
     if (!wait_for(p, sh, kKindGather, parity, epoch, block, 1, false)) return;
+    let_next_kernel_launch();
     uint4* output = static_cast<uint4*>(p.output);
     for (int s = 1; s < world; ++s) {
       int64_t olo, ohi;
@@ -959,10 +1023,12 @@ __device__ void run_twoshot(const KernelParams& p, Shared& sh, uint64_t epoch, i
   } else if constexpr (kPieces) {
     // This block's rows were reduced by block `block` of each rank (its own by this block).
     if (!wait_for(p, sh, kKindGather, parity, epoch, block, 1, false)) return;
+    let_next_kernel_launch();
     normalise_gathered<T>(p, sh, gather_local, PieceRows(p));
   } else {
     // Rows span chunks: wait for every block of every rank, this one included.
     if (!wait_for(p, sh, kKindGather, parity, epoch, 0, nblocks, true)) return;
+    let_next_kernel_launch();
     // Rows a block owns: at most one (every block's a row), else as many per pass as fit.
     if (p.rows <= nblocks) {
       add_rmsnorm_reduced_rows<T, 1>(p, sh, gather_local, StridedRows{p.rows});
@@ -977,6 +1043,8 @@ __device__ void run_twoshot(const KernelParams& p, Shared& sh, uint64_t epoch, i
 template <typename T>
 __global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const KernelParams p) {
   __shared__ Shared sh;
+  wait_for_previous_kernel();
+  let_next_kernel_launch();  // no waits here: every block of it has started once all issue it
   if (threadIdx.x == 0) sh.abort = 0;
   __syncthreads();
   add_rmsnorm_reduced_rows<T, 1>(p, sh, static_cast<const uint4*>(p.input), StridedRows{p.rows});
@@ -995,7 +1063,10 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const KernelP
   __shared__ Shared sh;
   uint32_t* ctl = p.control;
   uint32_t* states = ctl + SK_STATE_OFFSET_WORDS;
-  stamp(p, 0);
+  const Start start = read_start(p);
+  wait_for_previous_kernel();
+  stamp_start(p, start);
+  if (p.debug_flags & SK_DEBUG_TRIGGER_AT_START) let_next_kernel_launch();
   // Every thread loads this block's call state itself (the same two 16-byte words for the
   // whole block: broadcast loads), in parallel with the error word; no shared-memory staging.
   // One-shot: the first input vector is loaded together with the state (it depends on
@@ -1166,6 +1237,16 @@ static cudaLaunchAttribute cluster_of(int size) {
   return attr;
 }
 
+// Programmatic dependent launch: the kernel may launch while the one before it in the stream
+// finishes (see wait_for_previous_kernel and let_next_kernel_launch). It saves the launch and
+// block set-up between back-to-back kernels.
+static cudaLaunchAttribute early_launch() {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return attr;
+}
+
 // A row-split launch is one cluster per row, and a cluster's blocks are scheduled together
 // on one GPC: how many fit at once is cudaOccupancyMaxActiveClusters, not blocks per SM x SMs.
 SK_EXPORT int sk_max_active_clusters(int device, int cluster_size, int* clusters) {
@@ -1314,9 +1395,12 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
     config.gridDim = dim3(p.blocks);
     config.blockDim = dim3(SK_THREADS);
     config.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute cluster[1] = {cluster_of(p.row_blocks)};
-    config.attrs = cluster;
-    config.numAttrs = row_split ? 1 : 0;
+    cudaLaunchAttribute attrs[2];
+    unsigned count = 0;
+    if (row_split) attrs[count++] = cluster_of(p.row_blocks);
+    if (p.early_launch) attrs[count++] = early_launch();
+    config.attrs = attrs;
+    config.numAttrs = count;
     return cudaLaunchKernelEx(&config, fn, kernel_params);
   });
 }

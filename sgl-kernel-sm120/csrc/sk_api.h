@@ -12,7 +12,7 @@
 extern "C" {
 #endif
 
-#define SK_ABI_VERSION 6
+#define SK_ABI_VERSION 7
 #define SK_MAX_RANKS 8
 #define SK_MAX_BLOCKS 128
 #define SK_THREADS 512
@@ -59,6 +59,8 @@ extern "C" {
 
 // Debug switches, used only by tests.
 #define SK_DEBUG_SINGLE_BUFFER 1  // UNSAFE: one buffer instead of three / two (negative control)
+#define SK_DEBUG_TRIGGER_AT_START 2  // UNSAFE: with early_launch, every block lets the next kernel
+                                     // launch before any peer wait (negative control)
 
 typedef struct {
   // Tensors of this rank (device pointers).
@@ -95,6 +97,8 @@ typedef struct {
   int32_t row_blocks;        // fused one-shot: blocks per row, one thread-block cluster each
                              // (1: a block owns whole rows; 2..SK_MAX_ROW_BLOCKS: blocks ==
                              // rows x row_blocks, launched as clusters of row_blocks)
+  int32_t early_launch;      // 1: programmatic dependent launch (the kernel may start while
+                             // the one before it in the stream finishes; SM90 and later)
 } SkLaunchParams;
 
 int sk_abi_version(void);

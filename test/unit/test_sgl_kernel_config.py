@@ -5,6 +5,7 @@ P2P refusal message. No GPU and no built library needed."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,6 +290,18 @@ def test_the_python_mirror_has_the_headers_abi_flag_width_and_error_words():
         assert f"#define SK_{name} {getattr(_lib, name)} " in header  # the GPU tests set them
 
 
+def test_the_python_mirror_has_the_headers_launch_fields_in_order():
+    """sk_launch reads SkLaunchParams at the header's offsets: a field the mirror lacks, or
+    holds in another place, shifts every field after it (early_launch is the last one)."""
+    kernel_sources = Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "csrc"
+    header = (kernel_sources / "sk_api.h").read_text()
+    body = header.split("typedef struct {", 1)[1].split("} SkLaunchParams;", 1)[0]
+    declared = re.findall(r"^\s*[\w ]+?\**\s*\**(\w+)(?:\[\w+\])?;", body, flags=re.M)
+    assert declared == [name for name, _ in _lib.LaunchParams._fields_]
+    assert declared[-1] == "early_launch"
+    assert f"#define SK_DEBUG_TRIGGER_AT_START {_lib.DEBUG_TRIGGER_AT_START} " in header
+
+
 def test_ranks_of_two_kernel_versions_refuse_to_share_a_workspace(monkeypatch):
     """CommWorkspace.create compares every rank's settings: a rank whose package has another
     ABI (here 5, before the 64-bit flags) or another buffer layout is named, value by rank."""
@@ -298,13 +311,13 @@ def test_ranks_of_two_kernel_versions_refuse_to_share_a_workspace(monkeypatch):
         layout = config.workspace_layout(2, 1 << 20, tuning.oneshot_max_bytes)
         return workspace._shared_settings(1 << 20, tuning, layout)
 
-    current = settings()
+    current, abi = settings(), _lib.ABI_VERSION
     assert workspace._disagreement([current, current]) is None
     monkeypatch.setattr(_lib, "ABI_VERSION", 5)
     monkeypatch.setattr(config, "LAMPORT_OFFSET", 32768)
     older = settings()
     message = workspace._disagreement([current, older])
-    assert message.startswith("ranks disagree on kernel ABI: [6, 5]; buffer layout: [")
+    assert message.startswith(f"ranks disagree on kernel ABI: [{abi}, 5]; buffer layout: [")
     assert "max_bytes: [" not in message and "use the same sgl-kernel-sm120 version" in message
     before_abi_6 = (1 << 20, tuning.oneshot_max_bytes, 4096, 128, None, ())  # bare values
     message = workspace._disagreement([current, before_abi_6])
@@ -316,6 +329,34 @@ def test_fused_rows_per_block_defaults_to_unset_and_reads_its_variable(monkeypat
     assert sk.resolve_tuning(2).fused_rows_per_block is None
     monkeypatch.setenv("SGLANG_SM120_FUSED_ROWS_PER_BLOCK", "8")
     assert sk.resolve_tuning(2).fused_rows_per_block == 8
+
+
+def test_early_launch_is_on_unless_its_switch_or_the_argument_turns_it_off(monkeypatch):
+    monkeypatch.delenv(config.ENV_PDL, raising=False)
+    assert sk.resolve_tuning(2).early_launch is True
+    for off in ("0", "off", " False "):
+        monkeypatch.setenv(config.ENV_PDL, off)
+        assert sk.resolve_tuning(2).early_launch is False, off
+    assert sk.resolve_tuning(2, early_launch=True).early_launch is True
+    monkeypatch.setenv(config.ENV_PDL, "yes")
+    assert sk.resolve_tuning(2).early_launch is True
+    assert sk.resolve_tuning(2, early_launch=False).early_launch is False
+
+
+def test_a_bad_early_launch_switch_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv(config.ENV_PDL, "maybe")
+    with pytest.raises(ValueError, match=r"\$SGLANG_SM120_PDL='maybe' is not a switch"):
+        sk.resolve_tuning(2)
+
+
+def test_early_launch_is_not_a_setting_ranks_must_share():
+    """Each rank's kernels wait for the kernel before them on that rank's own stream: a rank
+    with early launch and one without work together, so creation does not compare it."""
+    on, off = sk.resolve_tuning(2, early_launch=True), sk.resolve_tuning(2, early_launch=False)
+    layout = config.workspace_layout(2, 1 << 20, on.oneshot_max_bytes)
+    assert workspace._shared_settings(1 << 20, on, layout) == workspace._shared_settings(
+        1 << 20, off, layout
+    )
 
 
 # --------------------------------------------------------------------------- settings

@@ -52,8 +52,21 @@ def _cuobjdump() -> str:
     raise AssertionError("unreachable")
 
 
-def _run(*args: str) -> str:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+def _nvdisasm_env() -> dict[str, str]:
+    """The environment for `cuobjdump -sass`, which runs nvdisasm: from PATH or $NVDISASM_PATH,
+    else beside cuobjdump (the `nvidia-cuda-nvdisasm` wheel installs it there)."""
+    env = dict(os.environ)
+    if shutil.which("nvdisasm") or env.get("NVDISASM_PATH"):
+        return env
+    beside = Path(_cuobjdump()).with_name("nvdisasm")
+    if not beside.is_file():
+        _missing("nvdisasm not found (pip install nvidia-cuda-nvdisasm, or set $NVDISASM_PATH)")
+    env["NVDISASM_PATH"] = str(beside.parent)
+    return env
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False, env=env)
     assert result.returncode == 0, f"{' '.join(args)} failed: {result.stderr}"
     return result.stdout
 
@@ -114,3 +127,73 @@ def test_resource_usage_reader_sees_a_spill():
     usage = resource_usage(listing)
     assert usage["_Z3fooPv"]["LOCAL"] == 16 and usage["_Z3fooPv"]["STACK"] == 16
     assert usage["_Z3barPv"]["SHARED"] > SM120_MAX_SHARED_BYTES
+
+
+# Programmatic dependent launch: sk_launch lets every kernel launch while the kernel ahead of it
+# in the stream is still running, so a kernel's first global memory access must come after
+# griddepcontrol.wait (SASS ACQBULK); a load the compiler hoisted above it would read what the
+# previous kernel has not written yet.
+SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)")
+GLOBAL_MEMORY_OPCODES = {
+    *("LDG", "STG", "LD", "ST", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS"),
+    *("SULD", "SUST", "SUATOM", "SURED", "TLD", "TEX", "UBLKCP", "UTMALDG", "UTMASTG"),
+}
+# The scan reads the code in address order, which is the order it runs in only up to the first
+# jump: one before the wait could reach an access that the scan sees after it.
+CONTROL_TRANSFER_OPCODES = {"BRA", "BRX", "JMP", "JMX", "CALL"}
+
+
+def global_accesses_before_wait(listing: str) -> dict[str, str]:
+    """{kernel: why} for each function of `cuobjdump -sass` output that touches global memory
+    or jumps before its first ACQBULK, or has none."""
+    problems: dict[str, str] = {}
+    name, waited = None, False
+    for line in listing.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Function : "):
+            if name and not waited:
+                problems.setdefault(name, "no griddepcontrol.wait (ACQBULK)")
+            name, waited = stripped[len("Function : ") :], False
+        elif name and not waited and (match := SASS_LINE.search(line)):
+            opcode = match.group(1)
+            if opcode == "ACQBULK":
+                waited = True
+            elif opcode in GLOBAL_MEMORY_OPCODES or opcode in CONTROL_TRANSFER_OPCODES:
+                problems[name] = f"{opcode}{match.group(2)} before ACQBULK: {stripped}"
+                waited = True  # reported; nothing more to learn from this function
+    if name and not waited:
+        problems.setdefault(name, "no griddepcontrol.wait (ACQBULK)")
+    return problems
+
+
+@pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
+def test_every_kernel_waits_for_the_previous_kernel_before_touching_memory(arch):
+    listing = _run(
+        _cuobjdump(), "-sass", "-arch", arch, str(_installed_library()), env=_nvdisasm_env()
+    )
+    assert listing.count("Function : ") >= 14, listing[:2000]
+    problems = global_accesses_before_wait(listing)
+    assert not problems, "\n".join(f"{name}: {why}" for name, why in problems.items())
+
+
+def test_the_wait_check_sees_a_hoisted_load_a_jump_and_a_missing_wait():
+    listing = (
+        "\t\tFunction : _Z4goodv\n"
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;\n"
+        "        /*0010*/                   ACQBULK ;\n"
+        "        /*0020*/              @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;\n"
+        "\t\tFunction : _Z7hoistedv\n"
+        "        /*0000*/              @!P0 LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;\n"
+        "        /*0010*/                   ACQBULK ;\n"
+        "\t\tFunction : _Z6nowaitv\n"
+        "        /*0000*/                   LDS R4, [R2] ;\n"
+        "        /*0010*/                   EXIT ;\n"
+        "\t\tFunction : _Z6jumpedv\n"
+        "        /*0000*/               @P0 BRA 0x40 ;\n"
+        "        /*0010*/                   ACQBULK ;\n"
+    )
+    problems = global_accesses_before_wait(listing)
+    assert set(problems) == {"_Z7hoistedv", "_Z6nowaitv", "_Z6jumpedv"}
+    assert problems["_Z6jumpedv"].startswith("BRA before ACQBULK")
+    assert "LDG.E.128.CONSTANT before ACQBULK" in problems["_Z7hoistedv"]
+    assert "no griddepcontrol.wait" in problems["_Z6nowaitv"]

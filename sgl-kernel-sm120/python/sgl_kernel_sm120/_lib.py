@@ -14,7 +14,7 @@ from pathlib import Path
 from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
-ABI_VERSION = 6
+ABI_VERSION = 7
 MAX_RANKS = 8
 MAX_BLOCKS = 128
 THREADS = 512
@@ -43,6 +43,7 @@ FUSED_NONE = 0
 FUSED_RMSNORM = 1
 FUSED_NORM_ONLY = 2
 DEBUG_SINGLE_BUFFER = 1
+DEBUG_TRIGGER_AT_START = 2
 IPC_HANDLE_BYTES = 64
 
 LIBRARY_NAME = "libsgl_kernel_sm120.so"
@@ -84,6 +85,7 @@ class LaunchParams(ctypes.Structure):
         ("debug_flags", ctypes.c_int32),
         ("debug_delay_rank", ctypes.c_int32),
         ("row_blocks", ctypes.c_int32),
+        ("early_launch", ctypes.c_int32),
     ]
 
 

@@ -18,6 +18,9 @@ ENV_BLOCK_BYTES = env.BLOCK_BYTES
 ENV_MAX_BLOCKS = env.MAX_BLOCKS
 ENV_TIMEOUT_MS = env.TIMEOUT_MS
 ENV_FUSED_ROWS_PER_BLOCK = env.FUSED_ROWS_PER_BLOCK
+ENV_PDL = env.PDL
+SWITCH_ON = ("1", "true", "yes", "y", "on")
+SWITCH_OFF = ("0", "false", "no", "n", "off")
 
 MIN_WORLD_SIZE = 2
 MAX_WORLD_SIZE = _lib.MAX_RANKS
@@ -93,6 +96,29 @@ def env_timeout_ms() -> int | None:
     return env_int(ENV_TIMEOUT_MS, maximum=MAX_TIMEOUT_MS)
 
 
+def env_switch(name: str) -> bool | None:
+    """Variable `name` as a switch: one of SWITCH_ON -> True, SWITCH_OFF -> False (any case,
+    spaces around ignored), None when unset; ValueError naming the variable otherwise."""
+    raw = env.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in SWITCH_ON:
+        return True
+    if value in SWITCH_OFF:
+        return False
+    raise ValueError(
+        f"${name}={raw[:40]!r} is not a switch ({'/'.join(SWITCH_ON)} or {'/'.join(SWITCH_OFF)})"
+    )
+
+
+def resolve_early_launch(argument: bool | None = None) -> bool:
+    """Programmatic dependent launch: the argument, else $SGLANG_SM120_PDL, else on."""
+    if argument is not None:
+        return bool(argument)
+    return env_switch(ENV_PDL) is not False
+
+
 def check_timeout_ms(timeout_ms: int) -> int:
     if not 1 <= timeout_ms <= MAX_TIMEOUT_MS:
         raise ValueError(f"timeout_ms={timeout_ms} must be in [1, {MAX_TIMEOUT_MS}] (one hour)")
@@ -111,6 +137,11 @@ class Tuning:
     # (k, most blocks a row-split grid of k blocks per row may have), for each k in
     # ROW_SPLIT_SIZES (row_split_caps); empty in a Tuning built by hand.
     row_split_blocks: tuple[tuple[int, int], ...] = ()
+    # Programmatic dependent launch (the kernels' early_launch): each kernel may be launched
+    # while the one before it in the stream finishes. Off only where asked ($SGLANG_SM120_PDL=0):
+    # the kernels are written for it (all_reduce.cu, wait_for_previous_kernel), and ranks need
+    # not agree on it.
+    early_launch: bool = True
 
     def row_split_pairs(self) -> tuple[tuple[int, int], ...]:
         """row_split_blocks, or for a Tuning built by hand (no caps) the grid bounds alone."""
@@ -132,6 +163,7 @@ def resolve_tuning(
     resident_blocks: int | None = None,
     resident_clusters: Mapping[int, int] | None = None,
     ranks_per_gpu: int = 1,
+    early_launch: bool | None = None,
 ) -> Tuning:
     """Explicit argument > environment variable > default, for each setting.
 
@@ -175,6 +207,7 @@ def resolve_tuning(
         timeout_ms=timeout,
         fused_rows_per_block=rows_per_block,
         row_split_blocks=row_split_caps(blocks, resident_clusters, ranks_per_gpu),
+        early_launch=resolve_early_launch(early_launch),
     )
 
 

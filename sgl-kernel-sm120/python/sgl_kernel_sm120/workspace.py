@@ -181,6 +181,7 @@ class CommWorkspace:
         max_blocks: int | None = None,
         timeout_ms: int | None = None,
         fused_rows_per_block: int | None = None,
+        early_launch: bool | None = None,
     ) -> list[CommWorkspace]:
         """`world_size` ranks in this process on one GPU; returns one workspace per rank.
 
@@ -199,6 +200,7 @@ class CommWorkspace:
             max_blocks=max_blocks,
             timeout_ms=timeout_ms,
             fused_rows_per_block=fused_rows_per_block,
+            early_launch=early_launch,
             resident_blocks=_resident_blocks(device.index),
             resident_clusters=_resident_clusters(device.index),
             ranks_per_gpu=world_size,
@@ -235,6 +237,7 @@ class CommWorkspace:
         max_blocks: int | None = None,
         timeout_ms: int | None = None,
         fused_rows_per_block: int | None = None,
+        early_launch: bool | None = None,
     ) -> CommWorkspace:
         """Collective over `group` (a torch.distributed ProcessGroup, gloo or nccl).
 
@@ -273,6 +276,7 @@ class CommWorkspace:
                 max_blocks=max_blocks,
                 timeout_ms=timeout_ms,
                 fused_rows_per_block=fused_rows_per_block,
+                early_launch=early_launch,
                 resident_blocks=min(i["resident"] for i in infos),
                 resident_clusters={
                     k: min(i["clusters"][k] for i in infos) for k in infos[0]["clusters"]
@@ -416,23 +420,29 @@ class CommWorkspace:
         p.world_size = self.world_size
         p.debug_delay_rank = -1
         p.row_blocks = 1
+        p.early_launch = int(self.tuning.early_launch)
         return p
 
     def _set_debug(
         self,
         *,
         single_buffer: bool = False,
+        trigger_at_start: bool = False,
         delay_rank: int = -1,
         delay_us: int = 0,
         timeline: torch.Tensor | None = None,
     ) -> None:
         """Test and profiling hooks. single_buffer: one one-shot buffer, never cleared, and one
-        two-shot parity (UNSAFE: proves the buffer-reuse test can fail); delay_us stalls
+        two-shot parity (UNSAFE: proves the buffer-reuse test can fail); trigger_at_start: with
+        early_launch, each kernel lets the next one launch before waiting for any peer (UNSAFE:
+        proves the launch-skew test can fail); delay_us stalls
         `delay_rank` after its one-shot push and after each two-shot wait; timeline (int64
         [TIMELINE_WORDS] on this device) receives block 0's clock64 at each phase of every
         later launch (0 start, 1 state read, 2 pushed, 3 cleared / first round done, 4 reduced /
         gathered, 5 end; words 6 and 7: %globaltimer at phases 0 and 5)."""
-        self._params.debug_flags = _lib.DEBUG_SINGLE_BUFFER if single_buffer else 0
+        self._params.debug_flags = (_lib.DEBUG_SINGLE_BUFFER if single_buffer else 0) | (
+            _lib.DEBUG_TRIGGER_AT_START if trigger_at_start else 0
+        )
         self._params.debug_delay_rank = delay_rank
         self._params.debug_delay_ns = delay_us * 1000
         if timeline is not None and (
