@@ -1016,6 +1016,29 @@ def test_kernel_tuning_variables_at_their_bound_are_used(monkeypatch):
     assert (tuning.block_bytes, tuning.fused_rows_per_block) == (64 << 20, 2048)
 
 
+@pytest.mark.parametrize(
+    ("value", "status_part"), [("0", "off"), ("on", "on"), ("sometimes", "is not a switch")]
+)
+def test_doctor_reads_the_early_launch_switch_as_the_kernel_package_does(
+    monkeypatch, value, status_part
+):
+    """$SGLANG_SM120_PDL is read by sgl-kernel-sm120 (config.env_switch) when a workspace is
+    created; doctor asks the same function, so what it shows is what the kernels get."""
+    from sgl_kernel_sm120 import config
+    from sglang_sm120.server.env_report import variables_report
+
+    _no_ours(monkeypatch)
+    monkeypatch.setenv("SGLANG_SM120_PDL", value)
+    (row,) = [row for row in variables_report() if row["name"] == "SGLANG_SM120_PDL"]
+    assert status_part in str(row), row
+    if status_part == "is not a switch":
+        assert row["status"].startswith("refused ("), row
+        with pytest.raises(ValueError, match="is not a switch"):
+            config.resolve_tuning(2)
+    else:
+        assert config.resolve_tuning(2).early_launch is (value == "on")
+
+
 # kind 5: every switch and every numeric knob goes through the one reader and its words
 def _kernel_required() -> bool:
     from kernel_library import kernel_required

@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from sglang_sm120.env_values import number, printable, shown, switch_value
@@ -167,9 +168,10 @@ def _plain(what: str) -> Callable[[str], Reading]:
     return lambda raw: (None, what)
 
 
-def _kernel_int(name: str, bound: str, default: str) -> Callable[[str], Reading]:
-    """A variable of sgl-kernel-sm120, read by its own ``config.env_int`` with its bound (the
-    constant ``bound`` of its config module)."""
+def _by_kernel_config(value: Callable[[ModuleType], str], default: str) -> Callable[[str], Reading]:
+    """A variable of sgl-kernel-sm120, read by its own config module (``value(config)``), so
+    that doctor shows what the kernels get; where the kernels refuse it, why, and ``default``,
+    what they use instead."""
 
     def read(raw: str) -> Reading:
         try:
@@ -177,11 +179,18 @@ def _kernel_int(name: str, bound: str, default: str) -> Callable[[str], Reading]
         except ImportError:
             return None, "not read: sgl-kernel-sm120 is not installed"
         try:
-            return None, str(config.env_int(name, maximum=getattr(config, bound)))
+            return None, value(config)
         except ValueError as exc:
             return str(exc).removeprefix("$"), default
 
     return read
+
+
+def _kernel_int(name: str, bound: str, default: str) -> Callable[[str], Reading]:
+    """A number, read by ``config.env_int`` with its bound (the config constant ``bound``)."""
+    return _by_kernel_config(
+        lambda config: str(config.env_int(name, maximum=getattr(config, bound))), default
+    )
 
 
 # sgl-kernel-sm120's variables -> the constant of its config module that bounds them
@@ -193,6 +202,13 @@ KERNEL_BOUNDS = {
     "SGLANG_SM120_FUSED_ROWS_PER_BLOCK": "MAX_FUSED_ROWS_PER_BLOCK",
 }
 _NO_WORKSPACE = "sm120_pcie builds no workspace (unfused path)"
+
+
+def _kernel_switch(name: str) -> Callable[[str], Reading]:
+    """A switch, read by ``config.env_switch`` (default on)."""
+    return _by_kernel_config(
+        lambda config: "on" if config.env_switch(name) is not False else "off", "on"
+    )
 
 
 def _kernel_library(raw: str) -> Reading:
@@ -235,6 +251,7 @@ READERS: dict[str, Callable[[str], Reading]] = {
         )
         for name, bound in KERNEL_BOUNDS.items()
     },
+    "SGLANG_SM120_PDL": _kernel_switch("SGLANG_SM120_PDL"),
     "SGLANG_SM120_KERNEL_LIBRARY": _kernel_library,
     "SGLANG_SM120_KERNEL_REQUIRED": _kernel_required,
     "SGLANG_SM120_CUDA_ARCHS": _plain("read when sgl-kernel-sm120 is built"),

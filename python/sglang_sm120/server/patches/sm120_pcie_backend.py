@@ -257,7 +257,8 @@ def _build_workspace(
         log_once(
             logging.INFO,
             f"sglang-sm120: sm120_pcie workspace for group {name}: "
-            f"{world_size} ranks, {rows} rows x {hidden}",
+            f"{world_size} ranks, {rows} rows x {hidden}, programmatic dependent launch "
+            f"{'on' if ws.tuning.early_launch else 'off ($SGLANG_SM120_PDL)'}",
         )
     except sk.WorkspaceError as exc:  # raised on every rank alike
         ws = None
