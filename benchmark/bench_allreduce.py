@@ -2,7 +2,8 @@
 
 For each world size and tokens in {1, 2, ..., 2048} x hidden (default 7168), bf16:
   floor            an empty kernel of the plain all-reduce's grid (512 threads a block),
-                   captured and replayed the same way: what a launch alone costs
+                   launched (with PDL), captured and replayed the same way: what a launch
+                   alone costs
   ours plain       sgl_kernel_sm120.all_reduce
   ours fused       sgl_kernel_sm120.fused_allreduce_add_rmsnorm (default settings)
   ours fused 2-launch  the same with fused_rows_per_block=1: all-reduce, then add+RMSNorm
@@ -128,17 +129,23 @@ FUSED_RIVALS = (
 
 def make_empty_kernel() -> Callable[[int], None]:
     """launch(blocks): an empty Triton kernel of `blocks` x 512 threads (the all-reduce's
-    block size), compiled here, before ranks start waiting on each other."""
+    block size), launched as sgl-kernel-sm120 launches its kernels (with programmatic
+    dependent launch unless $SGLANG_SM120_PDL is off: it waits for the kernel before it, then
+    lets the next one launch), compiled here, before ranks start waiting on each other."""
     import triton
+    import triton.language as tl
 
     @triton.jit
-    def _empty(x_ptr):
-        pass
+    def _empty(x_ptr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     anchor = torch.empty(1, device="cuda")
+    pdl = sk.config.resolve_early_launch()
 
     def launch(blocks: int) -> None:
-        _empty[(blocks,)](anchor, num_warps=16)
+        _empty[(blocks,)](anchor, PDL=pdl, num_warps=16, launch_pdl=pdl)
 
     launch(1)
     torch.cuda.synchronize()

@@ -103,7 +103,9 @@ class TuneSettings:
 def make_add_rmsnorm(hidden: int, dtype: Any) -> tuple[Callable, str]:
     """(fn(x, residual, weight) -> (norm, residual_out), description): one Triton kernel, or
     torch eager where Triton cannot compile. Compiled here, before ranks start waiting on
-    each other, so that no JIT happens between two ranks' launches."""
+    each other, so that no JIT happens between two ranks' launches. On SM90 and later it is
+    launched with programmatic dependent launch, as SGLang launches its add+RMSNorm there
+    (sgl_kernel's enable_pdl default) and as sgl-kernel-sm120 launches its kernels."""
     import torch
 
     try:
@@ -111,13 +113,27 @@ def make_add_rmsnorm(hidden: int, dtype: Any) -> tuple[Callable, str]:
         import triton.language as tl
 
         @triton.jit
-        def _add_rmsnorm(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, hidden, eps, BLOCK: tl.constexpr):
+        def _add_rmsnorm(
+            x_ptr,
+            r_ptr,
+            w_ptr,
+            out_ptr,
+            r_out_ptr,
+            hidden,
+            eps,
+            BLOCK: tl.constexpr,
+            PDL: tl.constexpr,
+        ):
+            if PDL:
+                tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             row = tl.program_id(0)
             offs = tl.arange(0, BLOCK)
             mask = offs < hidden
             base = row * hidden
             s = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
             s += tl.load(r_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.store(r_out_ptr + base + offs, s.to(r_out_ptr.dtype.element_ty), mask=mask)
             scale = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -125,17 +141,29 @@ def make_add_rmsnorm(hidden: int, dtype: Any) -> tuple[Callable, str]:
 
         block = triton.next_power_of_2(hidden)
 
-        def add_rmsnorm(x, residual, weight):
-            out, res_out = torch.empty_like(x), torch.empty_like(residual)
-            _add_rmsnorm[(x.shape[0],)](
-                x, residual, weight, out, res_out, x.shape[1], EPS, BLOCK=block, num_warps=8
-            )
-            return out, res_out
+        def launcher(pdl: bool) -> Callable:
+            def add_rmsnorm(x, residual, weight):
+                out, res_out = torch.empty_like(x), torch.empty_like(residual)
+                _add_rmsnorm[(x.shape[0],)](
+                    *(x, residual, weight, out, res_out, x.shape[1], EPS),
+                    BLOCK=block,
+                    PDL=pdl,
+                    num_warps=8,
+                    launch_pdl=pdl,
+                )
+                return out, res_out
 
-        probe = torch.ones(1, hidden, dtype=dtype, device="cuda")
-        add_rmsnorm(probe, probe, probe[0])
-        torch.cuda.synchronize()
-        return add_rmsnorm, "Triton add+RMSNorm kernel"
+            probe = torch.ones(1, hidden, dtype=dtype, device="cuda")
+            add_rmsnorm(probe, probe, probe[0])
+            torch.cuda.synchronize()
+            return add_rmsnorm
+
+        if torch.cuda.get_device_capability()[0] >= 9:
+            try:
+                return launcher(True), "Triton add+RMSNorm kernel (PDL)"
+            except Exception:  # a Triton without launch_pdl: the same kernel, launched plainly
+                pass
+        return launcher(False), "Triton add+RMSNorm kernel"
     except Exception as exc:
 
         def add_rmsnorm_eager(x, residual, weight):
