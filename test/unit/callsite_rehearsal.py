@@ -232,9 +232,13 @@ def workspace_setup(mr_dtype) -> dict:
             is_draft_worker=False,
         )
     )
+    from sglang_sm120.server import runtime
+
     with CallTrace() as trace:
         BaseRunner._pre_initialize_flashinfer_allreduce_workspace(runner)
-    return {"kernel": take_calls(), "trace": trace.calls}
+    # what the plugin logs once per process about the workspaces it built
+    logged = sorted(m for m in runtime._logged if "sm120_pcie workspace for group" in m)
+    return {"kernel": take_calls(), "trace": trace.calls, "logged": logged}
 
 
 def output_streamer(server_args, name: str):

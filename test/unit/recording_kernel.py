@@ -23,6 +23,7 @@ from sgl_kernel_sm120 import (
     CommTimeoutError,
     InputTooLargeError,
     WorkspaceError,
+    config,
     validate_all_reduce,
     validate_fused,
 )
@@ -58,6 +59,7 @@ class RecordingWorkspace:
         self.max_bytes = max_tokens * hidden * torch.empty((), dtype=dtype).element_size()
         self.device = DEVICE
         self.requested_device = torch.device(device)
+        self.tuning = config.resolve_tuning(world_size)  # the kernel's own settings rule
         self._error: str | None = None
 
     def fail(self, message: str) -> None:

@@ -135,6 +135,10 @@ def test_sm120_pcie_workspace_is_built_collectively_before_capture(rehearsal):
         assert "pre_initialize_workspaces" in setup["trace"]
         assert "ensure_workspace_initialized" not in setup["trace"]  # upstream's not built
         assert rank["workspaces"] == 2
+        # the once-per-process line says whether the kernels launch early (on by default)
+        assert setup["logged"] and all(
+            m.endswith("programmatic dependent launch on") for m in setup["logged"]
+        ), setup["logged"]
 
 
 def test_other_backend_workspace_setup_is_upstreams(rehearsal):
