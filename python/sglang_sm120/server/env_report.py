@@ -204,13 +204,6 @@ KERNEL_BOUNDS = {
 _NO_WORKSPACE = "sm120_pcie builds no workspace (unfused path)"
 
 
-def _kernel_switch(name: str) -> Callable[[str], Reading]:
-    """A switch, read by ``config.env_switch`` (default on)."""
-    return _by_kernel_config(
-        lambda config: "on" if config.env_switch(name) is not False else "off", "on"
-    )
-
-
 def _kernel_library(raw: str) -> Reading:
     problem = sm120_kernel_problem()
     return problem, "sgl-kernel-sm120 not used" if problem else printable(raw)
@@ -251,7 +244,10 @@ READERS: dict[str, Callable[[str], Reading]] = {
         )
         for name, bound in KERNEL_BOUNDS.items()
     },
-    "SGLANG_SM120_PDL": _kernel_switch("SGLANG_SM120_PDL"),
+    # what the kernels decide from it (config.resolve_early_launch: on unless switched off)
+    "SGLANG_SM120_PDL": _by_kernel_config(
+        lambda config: "on" if config.resolve_early_launch() else "off", "on"
+    ),
     "SGLANG_SM120_KERNEL_LIBRARY": _kernel_library,
     "SGLANG_SM120_KERNEL_REQUIRED": _kernel_required,
     "SGLANG_SM120_CUDA_ARCHS": _plain("read when sgl-kernel-sm120 is built"),
