@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import gc
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -415,17 +417,18 @@ def _handler_may_run(frame, event: str) -> bool:
     return caller is not None and dis.opname[caller.f_code.co_code[caller.f_lasti]] == "CALL"
 
 
-def _raise_at_event(number: int) -> tuple[object, list[str]]:
-    """A trace function raising the selftest's StopRequested (what its SIGTERM handler raises) in
-    the waiting thread's code (threading.py, e2e.py) at the ``number``-th point where a signal
-    handler could, and the points it saw."""
+def _raise_at_event(number: int, stop: selftest.SignalStop) -> tuple[object, list[str]]:
+    """A trace function running the selftest's SIGTERM handler (``stop.handler``: it records the
+    stop and raises StopRequested) in the waiting thread's code (threading.py, e2e.py) at the
+    ``number``-th point where a signal handler could, and the points it saw. A point may lie in
+    a finalizer the garbage collector ran in that thread, as a real signal's may."""
     seen: list[str] = []
 
     def local(frame, event, arg):
         if event in ("call", "line", "return") and _handler_may_run(frame, event):
             seen.append(f"{frame.f_code.co_name}:{frame.f_lineno}:{event}")
             if len(seen) == number:
-                raise selftest.StopRequested(signal.SIGTERM)
+                stop.handler(signal.SIGTERM, frame)
         return local
 
     def global_(frame, event, arg):
@@ -436,23 +439,35 @@ def _raise_at_event(number: int) -> tuple[object, list[str]]:
     return global_, seen
 
 
+class _StandInRuns(h.ServerRuns):
+    """ServerRuns whose servers are stand-ins that run until ``stop_all``; ``live`` names those
+    running."""
+
+    live: list[str]
+
+    def get(self, launch: h.Launch) -> h.RunResult:
+        self.live.append(launch.name)
+        try:
+            self.stopping.wait(timeout=30)
+            raise h.ServerFailed("stopped", self.log_dir / "log")
+        finally:
+            self.live.remove(launch.name)
+
+
+def _stand_in_runs(log_dir: Path, stop: selftest.SignalStop) -> _StandInRuns:
+    """Stand-in servers waited for as the selftest waits: told of its signals by ``stop``."""
+    runs = _StandInRuns(log_dir / "runs", log_dir, stop_requested=stop.requested)
+    runs.live = []
+    return runs
+
+
 def _batch_interrupted_at(number: int, log_dir: Path) -> tuple[list, list[str], list[str]]:
     """Two servers started at once, waited for as the selftest does, and an interrupt at the
     ``number``-th event of the waiting thread from the ``with`` on. The servers are stand-ins
     that run until ``stop_all``. Returns (how the wait ended, its events, servers left)."""
-    runs = h.ServerRuns(log_dir / "runs", log_dir)
-    live: list[str] = []
-
-    def serve(launch: h.Launch) -> h.RunResult:
-        live.append(launch.name)
-        try:
-            runs.stopping.wait(timeout=30)
-            raise h.ServerFailed("stopped", log_dir / "log")
-        finally:
-            live.remove(launch.name)
-
-    runs.get = serve
-    trace, seen = _raise_at_event(number)
+    stop = selftest.SignalStop()
+    runs = _stand_in_runs(log_dir, stop)
+    trace, seen = _raise_at_event(number, stop)
     outcome: list[BaseException] = []
 
     def wait_like_the_selftest() -> None:
@@ -469,7 +484,7 @@ def _batch_interrupted_at(number: int, log_dir: Path) -> tuple[list, list[str], 
     waiter = threading.Thread(target=wait_like_the_selftest, daemon=True)
     waiter.start()
     waiter.join(timeout=20)
-    return outcome, seen, live
+    return outcome, seen, runs.live
 
 
 def test_an_interrupt_anywhere_in_the_wait_still_stops_the_batch(tmp_path, monkeypatch) -> None:
@@ -495,3 +510,39 @@ def test_an_interrupt_anywhere_in_the_wait_still_stops_the_batch(tmp_path, monke
         if rounds and rounds.count(rounds[0]) >= 3:
             break  # two whole rounds of the wait covered
         assert number < 2000, "the wait never came round"
+
+
+def test_a_stop_whose_raise_a_finalizer_swallowed_still_ends_the_wait(
+    tmp_path, monkeypatch
+) -> None:
+    """CPython runs a signal's handler wherever the main thread is, in a finalizer the garbage
+    collector runs there too, and only prints what a finalizer raises. The selftest's
+    StopRequested vanished that way in CI: the wait went on, and a second signal was ignored
+    as if the first one's cleanup ran. The handler's record ends the wait all the same."""
+    monkeypatch.setattr(h.ServerBatch, "SIGNAL_CHECK_S", 0.005)
+    monkeypatch.setattr(h.ServerBatch, "STOP_WAIT_S", 5.0)
+    swallowed: list = []
+    monkeypatch.setattr(sys, "unraisablehook", swallowed.append)
+    stop = selftest.SignalStop()
+    runs = _stand_in_runs(tmp_path, stop)
+    launches = [h.Launch(f"fake{i}", 1, "off", prompts=("a",)) for i in range(2)]
+
+    class Garbage:
+        pass
+
+    def signal_lands_in_a_finalizer() -> None:
+        cycle = Garbage()
+        cycle.itself = cycle
+        finalizer = weakref.finalize(cycle, stop.handler, signal.SIGTERM, None)
+        del cycle
+        gc.collect()
+        assert not finalizer.alive
+
+    begun = time.monotonic()
+    with pytest.raises(selftest.StopRequested):
+        with runs.start(launches, at_once=True) as servers:
+            signal_lands_in_a_finalizer()
+            servers.results()
+    assert time.monotonic() - begun < 10
+    assert [type(s.exc_value) for s in swallowed] == [selftest.StopRequested]
+    assert not runs.live and all(servers.finished)

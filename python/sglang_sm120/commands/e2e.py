@@ -430,7 +430,8 @@ class ServerRuns:
     given, hears a line per stage, each naming its server, and one every ``progress_every_s``
     while a server starts; it must be safe to call from several threads. ``max_running`` caps
     the servers alive at once over all callers and batches (None: no cap), since they share
-    the GPUs; a launch over the cap waits for a slot."""
+    the GPUs; a launch over the cap waits for a slot. ``stop_requested`` returns the stop a
+    signal asked for (None: none); a batch's wait raises it (see ``ServerBatch.results``)."""
 
     def __init__(
         self,
@@ -438,6 +439,7 @@ class ServerRuns:
         log_dir: Path,
         progress: Callable[[str], None] | None = None,
         max_running: int | None = None,
+        stop_requested: Callable[[], BaseException | None] = lambda: None,
     ) -> None:
         self.work_dir = work_dir
         self.log_dir = log_dir
@@ -446,6 +448,7 @@ class ServerRuns:
         self.startup_s = E2E_STARTUP_S.read()
         self.progress = progress or (lambda line: None)
         self.progress_every_s = 15.0
+        self.stop_requested = stop_requested
         self.started = 0
         self.stopping = threading.Event()  # set by stop_all: no server starts or waits on
         self._lock = threading.Lock()  # guards started, the sets below and _launch_locks
@@ -692,8 +695,12 @@ class ServerBatch:
 
     def results(self) -> list[RunResult | ServerFailed]:
         """Each launch's result or its ServerFailed, in order, once all are done; any other
-        error of a launch is raised here."""
+        error of a launch is raised here. A stop a signal asked for is raised here too: its
+        handler's own raise is lost where it lands in a finalizer."""
         while not all(self.finished):
+            stop = self.runs.stop_requested()
+            if stop is not None:
+                raise stop
             time.sleep(self.SIGNAL_CHECK_S)  # a pending signal's handler runs as it wakes
         outcomes = [self.outcomes[i] for i in range(len(self.launches))]
         for outcome in outcomes:

@@ -372,21 +372,33 @@ class Progress:
             print(f"[{time.monotonic() - self.start:5.0f} s] {line}", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise StopRequested once, so every ``finally`` stops its server; a
-    second signal while that cleanup runs is ignored rather than cutting it short."""
-    raised: list[int] = []
+class SignalStop:
+    """The selftest's SIGINT/SIGTERM handler and its record. The handler raises StopRequested
+    once, so every ``finally`` stops its server; a second signal while that cleanup runs is
+    ignored rather than cutting it short. CPython runs the handler wherever the main thread is,
+    in a finalizer the garbage collector runs there too, and only prints what a finalizer
+    raises: ``requested`` lets the waits raise that stop again."""
 
-    def handler(signum: int, frame: Any) -> None:
-        if raised:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
             return
-        raised.append(signum)
+        self.signum = signum
         raise StopRequested(signum)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    def requested(self) -> StopRequested | None:
+        return None if self.signum is None else StopRequested(self.signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[SignalStop]:
+    """SIGINT and SIGTERM handled by a SignalStop while the block runs."""
+    stop = SignalStop()
+    previous = {s: signal.signal(s, stop.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield stop
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
@@ -484,8 +496,11 @@ def ask_plan(tp: int, target: str, backend: str, progress: Progress) -> dict[str
         return None
 
 
-def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -> dict[str, Any]:
-    """Both servers, then the verdict; the report as data."""
+def run_selftest(
+    args: argparse.Namespace, tp: int, work: Path, log_dir: Path, stop: SignalStop | None = None
+) -> dict[str, Any]:
+    """Both servers, then the verdict; the report as data. ``stop``: the signal handler whose
+    stop the wait for the servers raises (if its own raise was lost)."""
     from sglang_sm120.server.runtime import validation_mode
 
     progress = Progress()
@@ -520,7 +535,9 @@ def run_selftest(args: argparse.Namespace, tp: int, work: Path, log_dir: Path) -
         e2e.Launch(pair.target, backend="off", plugin=False, **common),
         e2e.Launch(pair.target, backend=args.backend, draft=pair.draft, **common),
     )
-    runs = e2e.ServerRuns(work / "runs", log_dir, progress)
+    runs = e2e.ServerRuns(
+        work / "runs", log_dir, progress, stop_requested=(stop or SignalStop()).requested
+    )
     # The plan is asked for in this (the main) thread while the servers start: a signal
     # stops doctor's subprocess as it stops the servers.
     with runs.start(launches, at_once=why_not is None) as servers:
@@ -636,9 +653,9 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="sglang-sm120-selftest-"))
     out = sys.stderr if args.json else sys.stdout
     print(f"sglang-sm120 {__version__} selftest on {describe_gpus(gpus.gpus[:tp])}", file=out)
-    with stop_on_signals():
+    with stop_on_signals() as signals:
         try:
-            report = run_selftest(args, tp, work, log_dir)
+            report = run_selftest(args, tp, work, log_dir, signals)
         except BaseException as exc:
             stop = stop_requested_in(exc)
             if stop is None:
