@@ -103,3 +103,21 @@ def test_doctor_says_the_kill_switch_is_on_only_when_the_patches_say_disabled():
     assert proc.returncode == 0, proc.stderr
     assert "kill switch SGLANG_SM120_DISABLE=1: the plugin applies nothing" in proc.stdout
     assert "disabled (SGLANG_SM120_DISABLE=1)" in proc.stdout
+
+
+@pytest.mark.parametrize(("raw", "expected", "warned"), ROWS, ids=[repr(r[0]) for r in ROWS])
+def test_the_kernel_package_reads_a_switch_as_the_plugin_does(monkeypatch, raw, expected, warned):
+    """sgl-kernel-sm120 sits below the plugin and keeps its own copy of the switch words
+    (``config.env_switch``, for $SGLANG_SM120_PDL): every row of the table reads the same there,
+    a value the plugin warns of and ignores being one the kernels refuse."""
+    from sgl_kernel_sm120 import config
+
+    if raw is None:
+        monkeypatch.delenv(config.ENV_PDL, raising=False)
+    else:
+        monkeypatch.setenv(config.ENV_PDL, raw)
+    if warned:
+        with pytest.raises(ValueError, match="is not a switch"):
+            config.env_switch(config.ENV_PDL)
+    else:
+        assert config.env_switch(config.ENV_PDL) is expected
