@@ -440,10 +440,12 @@ def _raise_at_event(number: int, stop: selftest.SignalStop) -> tuple[object, lis
 
 
 class _StandInRuns(h.ServerRuns):
-    """ServerRuns whose servers are stand-ins that run until ``stop_all``; ``live`` names those
-    running."""
+    """Stand-in servers that run until ``stop_all``, waited for as the selftest waits: told of
+    its signals by ``stop``; ``live`` names those running."""
 
-    live: list[str]
+    def __init__(self, log_dir: Path, stop: selftest.SignalStop) -> None:
+        super().__init__(log_dir / "runs", log_dir, stop_requested=stop.requested)
+        self.live: list[str] = []
 
     def get(self, launch: h.Launch) -> h.RunResult:
         self.live.append(launch.name)
@@ -454,19 +456,12 @@ class _StandInRuns(h.ServerRuns):
             self.live.remove(launch.name)
 
 
-def _stand_in_runs(log_dir: Path, stop: selftest.SignalStop) -> _StandInRuns:
-    """Stand-in servers waited for as the selftest waits: told of its signals by ``stop``."""
-    runs = _StandInRuns(log_dir / "runs", log_dir, stop_requested=stop.requested)
-    runs.live = []
-    return runs
-
-
 def _batch_interrupted_at(number: int, log_dir: Path) -> tuple[list, list[str], list[str]]:
     """Two servers started at once, waited for as the selftest does, and an interrupt at the
     ``number``-th event of the waiting thread from the ``with`` on. The servers are stand-ins
     that run until ``stop_all``. Returns (how the wait ended, its events, servers left)."""
     stop = selftest.SignalStop()
-    runs = _stand_in_runs(log_dir, stop)
+    runs = _StandInRuns(log_dir, stop)
     trace, seen = _raise_at_event(number, stop)
     outcome: list[BaseException] = []
 
@@ -524,7 +519,7 @@ def test_a_stop_whose_raise_a_finalizer_swallowed_still_ends_the_wait(
     swallowed: list = []
     monkeypatch.setattr(sys, "unraisablehook", swallowed.append)
     stop = selftest.SignalStop()
-    runs = _stand_in_runs(tmp_path, stop)
+    runs = _StandInRuns(tmp_path, stop)
     launches = [h.Launch(f"fake{i}", 1, "off", prompts=("a",)) for i in range(2)]
 
     class Garbage:

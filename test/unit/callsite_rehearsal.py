@@ -224,6 +224,7 @@ def workspace_setup(mr_dtype) -> dict:
     """The runner's own step before graph capture (``BaseRunner`` method, on a runner that has
     only the fields it reads)."""
     from sglang.srt.model_executor.runner.base_runner import BaseRunner
+    from sglang_sm120.server import runtime
 
     runner = types.SimpleNamespace(
         model_runner=types.SimpleNamespace(
@@ -232,8 +233,6 @@ def workspace_setup(mr_dtype) -> dict:
             is_draft_worker=False,
         )
     )
-    from sglang_sm120.server import runtime
-
     with CallTrace() as trace:
         BaseRunner._pre_initialize_flashinfer_allreduce_workspace(runner)
     # what the plugin logs once per process about the workspaces it built

@@ -37,6 +37,14 @@ ROWS = [
 ]
 
 
+def set_or_unset(monkeypatch, name: str, raw: str | None) -> None:
+    """Variable ``name`` set to ``raw`` (None: unset), as a row of the table has it."""
+    if raw is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, raw)
+
+
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     monkeypatch.setattr(runtime, "_logged", set())
@@ -46,10 +54,7 @@ def fresh_warnings(monkeypatch):
 def test_a_switch_reads_on_off_or_the_default_with_one_warning(
     monkeypatch, caplog, raw, expected, warned
 ):
-    if raw is None:
-        monkeypatch.delenv(DISABLE, raising=False)
-    else:
-        monkeypatch.setenv(DISABLE, raw)
+    set_or_unset(monkeypatch, DISABLE, raw)
     with caplog.at_level(logging.WARNING, logger="sglang_sm120"):
         assert [runtime.env_switch(DISABLE) for _ in range(3)] == [expected] * 3
     warnings = [r.getMessage() for r in caplog.records]
@@ -112,10 +117,7 @@ def test_the_kernel_package_reads_a_switch_as_the_plugin_does(monkeypatch, raw, 
     a value the plugin warns of and ignores being one the kernels refuse."""
     from sgl_kernel_sm120 import config
 
-    if raw is None:
-        monkeypatch.delenv(config.ENV_PDL, raising=False)
-    else:
-        monkeypatch.setenv(config.ENV_PDL, raw)
+    set_or_unset(monkeypatch, config.ENV_PDL, raw)
     if warned:
         with pytest.raises(ValueError, match="is not a switch"):
             config.env_switch(config.ENV_PDL)
