@@ -576,6 +576,11 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
   // The exchange's cluster wait (see cluster_row_total), here where the loads above are in
   // flight and every block of the cluster arrived long ago, rather than after the block sum.
   cluster_wait();
+  // Where the slices tile the row exactly, block b's slice is what every peer's block b pushed
+  // (the one-shot share, oneshot_share): once a thread's first vector has arrived from every
+  // peer, each peer block this block waits on has started, as in the plain all-reduce, and the
+  // next kernel may launch. Otherwise the block's barrier below is the first such point.
+  const bool polls_own_index = per_part * parts == row_vecs;
   float val[kMaxVecPerSlice][8];
   float sum_sq = 0.f;
   bool ok = true;
@@ -584,6 +589,7 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
     const int c = lo + t + k * SK_THREADS;
     if (c < hi && ok) {
       ok = sum_of(base + c, val[k]);
+      if (k == 0 && ok && polls_own_index) let_next_kernel_launch();
       Vec8<T>::add_to(val[k], res[k]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum_sq += val[k][i] * val[k][i];
