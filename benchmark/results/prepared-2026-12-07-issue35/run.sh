@@ -10,14 +10,16 @@
 #   bash benchmark/results/prepared-2026-12-07-issue35/run.sh full OUT NAME
 #       trig and NAME at every token count bench_allreduce runs, one round each: the issue's
 #       before / after table
+#   bash benchmark/results/prepared-2026-12-07-issue35/run.sh timeline OUT [NAME]
+#       block 0's phase times and each rank's start, 1 token, world 2 / 4 / 8 (NAME: trig)
 #
 # Each step first writes .out/variants/{trig,tail,rs256}.cu (the committed source and the
 # diffs here) and applies rs256-python.diff to this checkout, and leaves OUT as one archive, OUT.tar.gz (the built libraries left out), also
 # when the call's time limit cuts it short, so that what finished comes back as one file.
 set -uo pipefail
 here=$(dirname "$0")
-STEP=${1:?usage: run.sh ab|tests|full OUT [NAME]}
-OUT=$(realpath -m "${2:?usage: run.sh ab|tests|full OUT [NAME]}")
+STEP=${1:?usage: run.sh ab|tests|full|timeline OUT [NAME]}
+OUT=$(realpath -m "${2:?usage: run.sh ab|tests|full|timeline OUT [NAME]}")
 NAME=${3:-}
 mkdir -p .out/variants "$OUT"
 cp sgl-kernel-sm120/csrc/all_reduce.cu .out/variants/trig.cu
@@ -39,5 +41,15 @@ case $STEP in
 ab) TOKENS=${TOKENS:-1 2 4 8 16} ROUNDS=${ROUNDS:-3} bash $run ab "$OUT" trig tail rs256 ;;
 tests) bash $run tests "$OUT" "${NAME:?tests needs a NAME}" ;;
 full) TOKENS= ROUNDS=1 bash $run ab "$OUT" trig "${NAME:?full needs a NAME}" ;;
-*) echo "unknown step $STEP (ab, tests or full)"; exit 2 ;;
+timeline)
+  cc=$(python3 -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())') || exit 1
+  lib=$OUT/${NAME:-trig}.so
+  nvcc -shared -O3 -std=c++17 --cudart static -Xcompiler=-fPIC,-fvisibility=hidden \
+    "--generate-code=arch=compute_$cc,code=sm_$cc" -I sgl-kernel-sm120/csrc \
+    -o "$lib" ".out/variants/${NAME:-trig}.cu" || exit 1
+  PYTHONPATH=$PWD/sgl-kernel-sm120/python:$PWD/python SGLANG_SM120_KERNEL_LIBRARY=$lib \
+    python3 benchmark/phase_timeline_local.py --world-sizes 2 4 8 --hidden 7168 8 \
+    2>&1 | tee "$OUT/timeline.txt"
+  ;;
+*) echo "unknown step $STEP (ab, tests, full or timeline)"; exit 2 ;;
 esac
