@@ -14,8 +14,9 @@
 #       block 0's phase times and each rank's start, 1 token, world 2 / 4 / 8 (NAME: trig)
 #
 # Each step first writes .out/variants/{trig,tail,rs256}.cu (the committed source and the
-# diffs here) and applies rs256-python.diff to this checkout, and leaves OUT as one archive, OUT.tar.gz (the built libraries left out), also
-# when the call's time limit cuts it short, so that what finished comes back as one file.
+# diffs here) and applies rs256-python.diff to this checkout. It leaves OUT as one archive,
+# OUT.tar.gz (the built libraries left out), also when the call's time limit cuts it short,
+# so that what finished comes back as one file.
 set -uo pipefail
 here=$(dirname "$0")
 STEP=${1:?usage: run.sh ab|tests|full|timeline OUT [NAME]}
