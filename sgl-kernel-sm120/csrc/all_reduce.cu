@@ -42,7 +42,13 @@ namespace {
 constexpr int kVecElems = 8;  // 16-bit elements in one 16-byte vector
 constexpr int kMaxHidden = 16384;
 constexpr int kMaxVecPerThread = kMaxHidden / kVecElems / SK_THREADS;  // row held in registers
-constexpr int kMaxVecPerSlice = kMaxVecPerThread / 2;  // a row split over >= 2 blocks
+// Row-split blocks are half the size: a slice is at most 256 vectors where the row is cut in
+// as many slices as it wants (ROW_SLICE_VECTORS), and two such blocks fit on an SM, so twice
+// the clusters do (a cluster is placed whole on one GPC). A slice is at most 512 vectors
+// (config.MAX_ROW_SLICE_VECTORS, checked in sk_launch): with 4 per thread the bf16 kernel
+// needs more than the 128 registers two blocks an SM leave it, and spills on sm_90.
+constexpr int kRowSplitThreads = SK_THREADS / 2;
+constexpr int kMaxVecPerSlice = 2;
 constexpr int kWarps = SK_THREADS / 32;
 constexpr int kKindPush = 0;
 constexpr int kKindGather = 1;
@@ -84,6 +90,7 @@ struct KernelParams : SkLaunchParams {
   // Two-shot fused in whole-row pieces (the row-pieces kernel, see sk_launch): rows of each
   // rank's chunk, ceil(rows / world_size), and of each block's piece of it.
   int32_t chunk_rows, piece_rows;
+  float inv_hidden;  // fused: 1 / hidden, so the mean square is one multiply, not a division
 };
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -289,8 +296,9 @@ __device__ __forceinline__ void sum_ranks(float (&acc)[8], const uint4* slots, i
 // these rows is seen by all; one set by a poller of the next rows by none). kReused: a second
 // barrier, for a block that sums again (sh.red is reused by its next rows); the row split sums
 // once and skips it.
-template <int kN, bool kReused = true>
+template <int kN, bool kReused = true, int kThreads = SK_THREADS>
 __device__ void block_sums(float (&x)[kN], Shared& sh, bool& aborted) {
+  constexpr int warps = kThreads / 32;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
 #pragma unroll
@@ -300,22 +308,22 @@ __device__ void block_sums(float (&x)[kN], Shared& sh, bool& aborted) {
   __syncthreads();
   // Four interleaved partial sums, then their pairs: a dependent chain of 6 adds instead of 16
   // (the same order in every block and on every rank, so the same bits).
-  static_assert(kWarps % 4 == 0, "four partial sums");
+  static_assert(warps % 4 == 0 && warps <= kWarps, "four partial sums");
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) part[w % 4] += sh.red[i][w];
+    for (int w = 0; w < warps; ++w) part[w % 4] += sh.red[i][w];
     x[i] = (part[0] + part[1]) + (part[2] + part[3]);
   }
   aborted = *reinterpret_cast<volatile int*>(&sh.abort) != 0;
   if constexpr (kReused) __syncthreads();  // sh.red is reused by the next rows
 }
 
-template <bool kReused = true>
+template <bool kReused = true, int kThreads = SK_THREADS>
 __device__ __forceinline__ float block_sum(float x, Shared& sh, bool& aborted) {
   float one[1] = {x};
-  block_sums<1, kReused>(one, sh, aborted);
+  block_sums<1, kReused, kThreads>(one, sh, aborted);
   return one[0];
 }
 
@@ -372,8 +380,9 @@ __device__ void expect_row_parts(Shared& sh) {
 // before anyone stores into it. A block leaves only after all shares have landed in its shared
 // memory, so no store reaches an exited block. The wait is bounded because every block gets
 // here after bounded waits (cluster blocks run together), and a timed-out block still sends
-// its share.
-__device__ float cluster_row_total(Shared& sh, float part_sum) {
+// its share. In two halves, send_row_part then row_total, so that a block can do work that
+// needs no total while the shares travel.
+__device__ void send_row_part(Shared& sh, float part_sum) {
   const int parts = cluster_blocks(), part = cluster_block_rank();
   const uint32_t bar = shared_address(&sh.row_parts_arrived);
   if (static_cast<int>(threadIdx.x) < parts && static_cast<int>(threadIdx.x) != part) {
@@ -387,6 +396,11 @@ __device__ float cluster_row_total(Shared& sh, float part_sum) {
                  ::"r"(slot), "r"(__float_as_uint(part_sum)), "r"(remote_bar)
                  : "memory");
   }
+}
+
+__device__ float row_total(Shared& sh, float part_sum) {
+  const int parts = cluster_blocks(), part = cluster_block_rank();
+  const uint32_t bar = shared_address(&sh.row_parts_arrived);
   uint32_t arrived = 0;
   do {
     asm volatile(
@@ -403,6 +417,12 @@ __device__ float cluster_row_total(Shared& sh, float part_sum) {
     if (i < parts) total += (i == part) ? part_sum : sh.row_parts[i];
   }
   return total;
+}
+
+// The whole exchange at once, for a block with nothing to do in between (one that gave up).
+__device__ float cluster_row_total(Shared& sh, float part_sum) {
+  send_row_part(sh, part_sum);
+  return row_total(sh, part_sum);
 }
 
 __device__ void report_timeout(const SkLaunchParams& p, int src, int kind, uint64_t epoch) {
@@ -488,7 +508,7 @@ __device__ bool wait_for(const SkLaunchParams& p, Shared& sh, int kind, int pari
 // Each thread loads the residual and weight of all its vectors of the row before the first
 // sum_of: one memory latency for the row instead of a chain of dependent ones per vector.
 template <typename T, typename SumOf>
-__device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
+__device__ bool add_rmsnorm_rows(const KernelParams& p, Shared& sh, SumOf sum_of) {
   const int row_vecs = p.hidden / kVecElems;
   const uint4* residual_in = static_cast<const uint4*>(p.residual_in);
   uint4* residual_out = static_cast<uint4*>(p.residual_out);
@@ -524,7 +544,7 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
     if (aborted) return false;
     // Past the barrier of its last row every thread of the block has its data: no more waits.
     if (row + static_cast<int>(gridDim.x) >= p.rows) let_next_kernel_launch();
-    const float scale = rsqrtf(sum_sq / static_cast<float>(p.hidden) + p.eps);
+    const float scale = rsqrtf(sum_sq * p.inv_hidden + p.eps);
 #pragma unroll
     for (int k = 0; k < kMaxVecPerThread; ++k) {
       const int c = t + k * SK_THREADS;
@@ -544,13 +564,13 @@ __device__ bool add_rmsnorm_rows(const SkLaunchParams& p, Shared& sh, SumOf sum_
 // The same epilogue with each row split across the row_blocks blocks of one thread-block
 // cluster (grid = rows x row_blocks, cluster c owns row c): every block polls, sums and writes
 // its slice of the row, and the slices' sums of squares meet in distributed shared memory
-// (cluster_row_total; the cluster barrier's arrive is at kernel start, its wait before the poll).
+// (send_row_part; the cluster barrier's arrive is at kernel start, its wait before the poll).
 // At verify sizes this spreads a row's reduction over as many SMs as the plain all-reduce
 // uses, where add_rmsnorm_rows gives it to one block. A block that gave up still takes part
 // in the exchange (a peer block must not wait for it, nor write into the shared memory of a
 // block that has exited).
 template <typename T, typename SumOf>
-__device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf sum_of) {
+__device__ bool add_rmsnorm_row_split(const KernelParams& p, Shared& sh, SumOf sum_of) {
   const int parts = cluster_blocks(), part = cluster_block_rank();
   uint32_t row;  // cluster c owns row c: its index without a division
   asm("mov.u32 %0, %%clusterid.x;" : "=r"(row));
@@ -567,13 +587,13 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
   uint4 res[kMaxVecPerSlice], w[kMaxVecPerSlice];
 #pragma unroll
   for (int k = 0; k < kMaxVecPerSlice; ++k) {
-    const int c = lo + t + k * SK_THREADS;
+    const int c = lo + t + k * kRowSplitThreads;
     if (c < hi) {
       res[k] = __ldcg(residual_in + base + c);
       w[k] = __ldg(weight + c);
     }
   }
-  // The exchange's cluster wait (see cluster_row_total), here where the loads above are in
+  // The exchange's cluster wait (see send_row_part), here where the loads above are in
   // flight and every block of the cluster arrived long ago, rather than after the block sum.
   cluster_wait();
   // Where the slices tile the row exactly, block b's slice is what every peer's block b pushed
@@ -586,7 +606,7 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
   bool ok = true;
 #pragma unroll
   for (int k = 0; k < kMaxVecPerSlice; ++k) {
-    const int c = lo + t + k * SK_THREADS;
+    const int c = lo + t + k * kRowSplitThreads;
     if (c < hi && ok) {
       ok = sum_of(base + c, val[k]);
       if (k == 0 && ok && polls_own_index) let_next_kernel_launch();
@@ -596,25 +616,35 @@ __device__ bool add_rmsnorm_row_split(const SkLaunchParams& p, Shared& sh, SumOf
     }
   }
   bool aborted;
-  sum_sq = block_sum<false>(sum_sq, sh, aborted);  // one row per block: no reuse
-  // Past the barrier every thread has its peers' data; what is left waits only for this
-  // cluster's blocks, which run together.
-  if (!aborted) let_next_kernel_launch();
-  const float total = cluster_row_total(sh, sum_sq);
-  if (aborted) return false;
-  const float scale = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
-  // residual_out is stored after the exchange; before it made no difference (TP2 1-16 tokens,
-  // benchmark/results/1xH200-2026-12-04c-call-count).
+  sum_sq = block_sum<false, kRowSplitThreads>(sum_sq, sh, aborted);  // one row per block: no reuse
+  // Where the slices do not tile the row, the first point past which this block waits for no
+  // peer: every thread has its peers' data, and what is left waits only for this cluster's
+  // blocks, which run together.
+  if (!aborted && !polls_own_index) let_next_kernel_launch();
+  send_row_part(sh, sum_sq);
+  // While the shares travel: residual_out, and the weight applied, so that after the exchange
+  // only the scale is left (output = (sum * weight) * scale).
 #pragma unroll
   for (int k = 0; k < kMaxVecPerSlice; ++k) {
-    const int c = lo + t + k * SK_THREADS;
-    if (c < hi) {
+    const int c = lo + t + k * kRowSplitThreads;
+    if (c < hi && !aborted) {
       residual_out[base + c] = Vec8<T>::pack(val[k]);
       float wf[8];
       zero(wf);
       Vec8<T>::add_to(wf, w[k]);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) val[k][i] = val[k][i] * scale * wf[i];
+      for (int i = 0; i < 8; ++i) val[k][i] *= wf[i];
+    }
+  }
+  const float total = row_total(sh, sum_sq);
+  if (aborted) return false;
+  const float scale = rsqrtf(total * p.inv_hidden + p.eps);
+#pragma unroll
+  for (int k = 0; k < kMaxVecPerSlice; ++k) {
+    const int c = lo + t + k * kRowSplitThreads;
+    if (c < hi) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) val[k][i] *= scale;
       output[base + c] = Vec8<T>::pack(val[k]);
     }
   }
@@ -671,7 +701,7 @@ struct PieceRows {
 // fit on an SM; 2 x 4 and 3 x 2 fit the all-reduce kernel's 128 (4 x 2, or holding the weight
 // too, spills).
 template <typename T, int kRows, int kSlots = kMaxVecPerThread, typename Rows>
-__device__ bool add_rmsnorm_reduced_rows(const SkLaunchParams& p, Shared& sh, const uint4* reduced,
+__device__ bool add_rmsnorm_reduced_rows(const KernelParams& p, Shared& sh, const uint4* reduced,
                                          const Rows& set) {
   static_assert(kRows >= 1 && kRows <= kRowsPerPass, "sh.red holds kRowsPerPass sums");
   static_assert(kSlots >= 1 && kSlots <= kMaxVecPerThread, "a row is at most kMaxVecPerThread");
@@ -728,7 +758,7 @@ __device__ bool add_rmsnorm_reduced_rows(const SkLaunchParams& p, Shared& sh, co
     for (int r = 0; r < kRows; ++r) {
       const int row = set.row(group, index, r);
       const int64_t base = static_cast<int64_t>(row) * row_vecs;
-      const float scale = rsqrtf(sum_sq[r] / static_cast<float>(p.hidden) + p.eps);
+      const float scale = rsqrtf(sum_sq[r] * p.inv_hidden + p.eps);
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         const int c = t + k * SK_THREADS;
@@ -832,6 +862,7 @@ __device__ __forceinline__ OneshotShare oneshot_share(const KernelParams& p) {
 template <typename T, bool kFused, bool kPreloaded, bool kRowSplit>
 __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS],
                             uint64_t epoch, const OneshotShare& share, const uint4& first_input) {
+  constexpr int kThreads = kRowSplit ? kRowSplitThreads : SK_THREADS;
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
   const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
@@ -860,17 +891,18 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
   int64_t v = v0 + t;
   if (kPreloaded && v < v1) {
     push(v, first_input);
-    v += SK_THREADS;
+    v += kThreads;
   }
-  for (; v < v1; v += SK_THREADS) push(v, input[v]);
+  for (; v < v1; v += kThreads) push(v, input[v]);
   asm volatile("" ::: "memory");  // the pushes stay before every poll below
   stamp(p, 2);
 
   // Clear what peers wrote into the previous buffer (read in the previous call) while their
   // data of this call is on its way. When a block's vectors leave at least one warp without a
   // vector (verify sizes), those warps clear, so the pushing threads go straight to their
-  // polls: at TP2, 16 tokens (448 vectors a block, two clearing warps) this took the fused call
-  // from 5.3 to 4.8 us (1x H200, ranks as streams). Otherwise, and when the previous call left
+  // polls: at TP2, 16 tokens (448 vectors in a 512-thread block, two clearing warps) this took
+  // the fused call from 5.3 to 4.8 us (1x H200, ranks as streams); a 256-thread row-split block
+  // of 224 vectors keeps one clearing warp. Otherwise, and when the previous call left
   // more than kMaxSplitClears vectors per peer slot for each such clearer (a prefill before a
   // verify step), every thread clears after its pushes. dirty, and so the clearer count, is
   // the same in every block, so the blocks' shares tile [0, dirty). Roles go by whole warps: a
@@ -884,12 +916,12 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
 #pragma unroll
     for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) dirty = (b == previous) ? state[kStateDirty + b] : dirty;
   }
-  const int vector_threads = static_cast<int>(min(per_block, static_cast<int64_t>(SK_THREADS)));
-  const int pushers = min(SK_THREADS, (vector_threads + 31) / 32 * 32);
-  const int spare = SK_THREADS - pushers;
+  const int vector_threads = static_cast<int>(min(per_block, static_cast<int64_t>(kThreads)));
+  const int pushers = min(kThreads, (vector_threads + 31) / 32 * 32);
+  const int spare = kThreads - pushers;
   const bool split_roles =
       spare > 0 && dirty <= kMaxSplitClears * static_cast<int64_t>(nblocks) * spare;
-  const int clearers = split_roles ? spare : SK_THREADS;
+  const int clearers = split_roles ? spare : kThreads;
   const int clearer = split_roles ? t - pushers : t;  // < 0: this thread pushes only
   if (!single) {
     const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
@@ -916,7 +948,7 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
   const uint4* slots = own + current * buffer_vecs;
   if constexpr (!kFused) {
     uint4* output = static_cast<uint4*>(p.output);
-    for (int64_t v = v0 + t; v < v1; v += SK_THREADS) {
+    for (int64_t v = v0 + t; v < v1; v += kThreads) {
       float acc[8];
       if (!sum_arrived<T>(acc, p, sh, slots, slot_vecs, input, v, epoch)) break;
       // Every peer's block of this index pushed vector v: each has started, and it pushes
@@ -943,7 +975,7 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
 
 // The two-shot fused epilogue over `set`: as many rows per pass as fit in registers.
 template <typename T, typename Rows>
-__device__ void normalise_gathered(const SkLaunchParams& p, Shared& sh, const uint4* gathered,
+__device__ void normalise_gathered(const KernelParams& p, Shared& sh, const uint4* gathered,
                                    const Rows& set) {
   if (p.hidden / kVecElems <= 2 * SK_THREADS) {
     add_rmsnorm_reduced_rows<T, 3, 2>(p, sh, gathered, set);
@@ -1061,11 +1093,14 @@ __global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const Kernel
 // Compute at 4 tokens, TP2 H200, warm calls: instruction-fetch stalls are 6% of the plain
 // kernel's active warp cycles (FlashInfer's fused kernel: 1.6%); the split did not move the
 // graph-timed call time beyond run-to-run noise (README, "Measured").
-// kRowSplit: the fused one-shot kernel launched as one cluster per row (row_blocks > 1); its
-// own instantiation, as both epilogues in one kernel exceed 128 registers and spill.
+// kRowSplit: the fused one-shot kernel launched as one cluster per row (row_blocks > 1), in
+// blocks of kRowSplitThreads; its own instantiation, as both epilogues in one kernel exceed 128
+// registers and spill.
 // kPieces: the two-shot fused kernel in whole-row pieces (run_twoshot).
 template <typename T, int kVariant, bool kFused, bool kRowSplit = false, bool kPieces = false>
-__global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const KernelParams p) {
+__global__ void __launch_bounds__(kRowSplit ? kRowSplitThreads : SK_THREADS, kRowSplit ? 2 : 1)
+    all_reduce_kernel(const KernelParams p) {
+  constexpr int kThreads = kRowSplit ? kRowSplitThreads : SK_THREADS;
   __shared__ Shared sh;
   uint32_t* ctl = p.control;
   uint32_t* states = ctl + SK_STATE_OFFSET_WORDS;
@@ -1096,7 +1131,7 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const KernelP
   // held them up by ~0.1 us: 1x H200, TP2, 1 token, the state phase 0.52 against 0.42).
   if constexpr (kRowSplit) {
     expect_row_parts(sh);
-    cluster_arrive_relaxed();  // "started": see cluster_row_total
+    cluster_arrive_relaxed();  // "started": see send_row_part
   }
   uint32_t state[SK_STATE_WORDS] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
   static_assert(SK_STATE_WORDS == 8, "the state is loaded as two 16-byte vectors");
@@ -1125,7 +1160,7 @@ __global__ void __launch_bounds__(SK_THREADS, 1) all_reduce_kernel(const KernelP
 #pragma unroll
   for (int i = 0; i < SK_STATE_WORDS; ++i) value = (i == word) ? state[i] : value;
   for (int copy = blockIdx.x + (threadIdx.x / SK_STATE_WORDS) * gridDim.x; copy < SK_MAX_BLOCKS;
-       copy += (SK_THREADS / SK_STATE_WORDS) * gridDim.x) {
+       copy += (kThreads / SK_STATE_WORDS) * gridDim.x) {
     states[copy * SK_STATE_WORDS + word] = value;
   }
   stamp(p, 5);
@@ -1223,8 +1258,13 @@ SK_EXPORT int sk_max_resident_blocks(int device, int* blocks) {
     if (err != cudaSuccess) return err;
     int fewest = 1 << 30;
     for (KernelFn fn : kPeerKernels) {
+      // Each kernel at the block size it launches with (its __launch_bounds__: the row split's
+      // is kRowSplitThreads).
+      cudaFuncAttributes attr;
+      err = cudaFuncGetAttributes(&attr, fn);
+      if (err != cudaSuccess) return err;
       int per_sm = 0;
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, SK_THREADS, 0);
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, attr.maxThreadsPerBlock, 0);
       if (err != cudaSuccess) return err;
       fewest = per_sm < fewest ? per_sm : fewest;
     }
@@ -1265,7 +1305,7 @@ SK_EXPORT int sk_max_active_clusters(int device, int cluster_size, int* clusters
     cudaLaunchAttribute cluster[1] = {cluster_of(cluster_size)};
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(static_cast<unsigned>(cluster_size), 1, 1);
-    config.blockDim = dim3(SK_THREADS, 1, 1);
+    config.blockDim = dim3(kRowSplitThreads, 1, 1);
     config.attrs = cluster;
     config.numAttrs = 1;
     int fewest = 1 << 30;
@@ -1382,9 +1422,12 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
                    static_cast<int64_t>(p.rows) * p.hidden != p.numel))) {
     return cudaErrorInvalidValue;  // the Python layer validates first and explains why
   }
+  const int row_vecs = p.hidden / kVecElems;
   if (p.row_blocks < 1 || p.row_blocks > SK_MAX_ROW_BLOCKS ||
       (row_split && (p.fused != SK_FUSED_RMSNORM || p.variant != SK_VARIANT_ONESHOT ||
-                     static_cast<int64_t>(p.rows) * p.row_blocks != p.blocks))) {
+                     static_cast<int64_t>(p.rows) * p.row_blocks != p.blocks ||
+                     (row_vecs + p.row_blocks - 1) / p.row_blocks >
+                         kMaxVecPerSlice * kRowSplitThreads))) {
     return cudaErrorInvalidValue;
   }
   KernelParams kernel_params;
@@ -1396,10 +1439,11 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
   kernel_params.oneshot_per_block = (p.numel / kVecElems + p.blocks - 1) / p.blocks;
   kernel_params.chunk_rows = static_cast<int32_t>(chunk_rows);
   kernel_params.piece_rows = static_cast<int32_t>((chunk_rows + p.blocks - 1) / p.blocks);
+  kernel_params.inv_hidden = p.hidden > 0 ? 1.0f / static_cast<float>(p.hidden) : 0.f;
   return on_device(device, [&]() -> int {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(p.blocks);
-    config.blockDim = dim3(SK_THREADS);
+    config.blockDim = dim3(row_split ? kRowSplitThreads : SK_THREADS);
     config.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attrs[2];
     unsigned count = 0;

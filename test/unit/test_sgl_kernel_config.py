@@ -212,6 +212,8 @@ def test_a_fused_call_keeps_one_shot_where_two_shot_pieces_would_not_be_whole_ro
         (4, 7168, _lib.VARIANT_ONESHOT, 16, 4),
         (6, 7168, _lib.VARIANT_ONESHOT, 16, 2),
         (1, 16384, _lib.VARIANT_ONESHOT, 128, 8),  # never past the portable cluster size
+        (4, 16384, _lib.VARIANT_ONESHOT, 16, 4),  # 16 blocks: 4 slices of 512
+        (8, 16384, _lib.VARIANT_ONESHOT, 16, 1),  # 2 slices of 1024: more than a block holds
         (1, 2048, _lib.VARIANT_ONESHOT, 128, 1),  # 256 vectors: one block is enough
         (1, 4096, _lib.VARIANT_ONESHOT, 128, 2),
         (1, 7168, _lib.VARIANT_TWOSHOT, 128, 1),  # two-shot keeps its own epilogue

@@ -355,6 +355,7 @@ def fused_variant(
 MAX_ROW_BLOCKS = 8  # SK_MAX_ROW_BLOCKS: the portable cluster size
 ROW_SPLIT_SIZES = (2, 4, 8)  # the blocks per row row_blocks chooses from (powers of two)
 ROW_SLICE_VECTORS = 256  # a row slice of at least this many 16-byte vectors per block
+MAX_ROW_SLICE_VECTORS = 512  # and at most this many (the kernel's 256 threads x 2 in registers)
 # 1x H200, ranks as streams, world 2, hidden 7168: split rows won up to 64 blocks (32 tokens
 # in 2 slices: 4.8 us against 6.2 with a block per row), where the clusters fit at once.
 MAX_ROW_SPLIT_BLOCKS = 64
@@ -395,7 +396,8 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
     row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
     wanted = math.ceil(row_vecs / ROW_SLICE_VECTORS)
     for per_row, cap in reversed(tuning.row_split_pairs()):  # one walk: this runs per call
-        if per_row <= wanted and rows * per_row <= cap:
+        fits = row_vecs <= per_row * MAX_ROW_SLICE_VECTORS
+        if per_row <= wanted and rows * per_row <= cap and fits:
             return per_row
     return 1
 
