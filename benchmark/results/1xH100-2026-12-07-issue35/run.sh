@@ -6,8 +6,9 @@
 # is one of 128 256-thread blocks.
 #
 #   bash benchmark/results/1xH100-2026-12-07-issue35/run.sh cap OUT
-#       trig, rs256 and rs256 with MAX_ROW_SPLIT_BLOCKS = 128 (a prelude), ROUNDS (3) rounds,
-#       TOKENS (16 32 64 128), then each library's plan at both caps (splits.py)
+#       trig (WITH_TRIG=0: left out), rs256 and rs256 with MAX_ROW_SPLIT_BLOCKS = 128 (a
+#       prelude), ROUNDS (3) rounds, TOKENS (16 32 64 128), then each library's plan at both
+#       caps (splits.py)
 #   bash benchmark/results/1xH100-2026-12-07-issue35/run.sh tests OUT
 #       all of test/gpu on rs256 with MAX_ROW_SPLIT_BLOCKS = 128 in this checkout's config.py
 #
@@ -36,11 +37,12 @@ case $STEP in
 cap)
   echo "import sgl_kernel_sm120.config as c; c.MAX_ROW_SPLIT_BLOCKS = 128" > "$OUT/cap128.py"
   v=.out/variants
-  ROUNDS=${ROUNDS:-3} bash benchmark/ab_kernels.sh "$OUT" trig=$v/trig.cu rs256=$v/rs256.cu \
-    "rs256c128=$v/rs256.cu:$OUT/cap128.py" -- --mode local --skip-baselines \
-    --tokens ${TOKENS:-16 32 64 128} > "$OUT/ab-log.txt" 2>&1
+  specs=(rs256=$v/rs256.cu "rs256c128=$v/rs256.cu:$OUT/cap128.py")
+  [ "${WITH_TRIG:-1}" = 1 ] && specs=(trig=$v/trig.cu "${specs[@]}")
+  ROUNDS=${ROUNDS:-3} bash benchmark/ab_kernels.sh "$OUT" "${specs[@]}" -- --mode local \
+    --skip-baselines --tokens ${TOKENS:-16 32 64 128} > "$OUT/ab-log.txt" 2>&1
   tail -n 14 "$OUT/ab-log.txt"
-  for name in trig rs256; do
+  for name in rs256 $([ "${WITH_TRIG:-1}" = 1 ] && echo trig); do
     echo "== $name" | tee -a "$OUT/splits.txt"
     SGLANG_SM120_KERNEL_LIBRARY=$AB_WORK/$name.so python3 "$here/splits.py" 64 128 2>&1 \
       | tee -a "$OUT/splits.txt"
