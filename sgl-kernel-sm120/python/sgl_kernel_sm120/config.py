@@ -357,7 +357,10 @@ ROW_SPLIT_SIZES = (2, 4, 8)  # the blocks per row row_blocks chooses from (power
 ROW_SLICE_VECTORS = 256  # a row slice of at least this many 16-byte vectors per block
 MAX_ROW_SLICE_VECTORS = 512  # and at most this many (the kernel's 256 threads x 2 in registers)
 # 1x H200, ranks as streams, world 2, hidden 7168: split rows won up to 64 blocks (32 tokens
-# in 2 slices: 4.8 us against 6.2 with a block per row), where the clusters fit at once.
+# in 2 slices: 4.8 us against 6.2 with a block per row), where the clusters fit at once. That
+# was with 512-thread blocks; in 256-thread blocks 32 tokens in 2 slices took 5.3 us (1x
+# H100), and 128 blocks of 256 threads take the SMs 64 of 512 took: benchmark/results/
+# 1xH100-2026-12-07-issue35/run.sh cap measures that cap.
 MAX_ROW_SPLIT_BLOCKS = 64
 
 
