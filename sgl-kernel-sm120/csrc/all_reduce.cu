@@ -49,6 +49,10 @@ constexpr int kMaxVecPerThread = kMaxHidden / kVecElems / SK_THREADS;  // row he
 // needs more than the 128 registers two blocks an SM leave it, and spills on sm_90.
 constexpr int kRowSplitThreads = SK_THREADS / 2;
 constexpr int kMaxVecPerSlice = 2;
+// The block size a kernel launches with (its __launch_bounds__), on the host and the device.
+__host__ __device__ constexpr int block_threads(bool row_split) {
+  return row_split ? kRowSplitThreads : SK_THREADS;
+}
 constexpr int kWarps = SK_THREADS / 32;
 constexpr int kKindPush = 0;
 constexpr int kKindGather = 1;
@@ -862,7 +866,7 @@ __device__ __forceinline__ OneshotShare oneshot_share(const KernelParams& p) {
 template <typename T, bool kFused, bool kPreloaded, bool kRowSplit>
 __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)[SK_STATE_WORDS],
                             uint64_t epoch, const OneshotShare& share, const uint4& first_input) {
-  constexpr int kThreads = kRowSplit ? kRowSplitThreads : SK_THREADS;
+  constexpr int kThreads = block_threads(kRowSplit);
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int block = blockIdx.x, nblocks = gridDim.x;
   const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
@@ -1098,9 +1102,9 @@ __global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const Kernel
 // registers and spill.
 // kPieces: the two-shot fused kernel in whole-row pieces (run_twoshot).
 template <typename T, int kVariant, bool kFused, bool kRowSplit = false, bool kPieces = false>
-__global__ void __launch_bounds__(kRowSplit ? kRowSplitThreads : SK_THREADS, kRowSplit ? 2 : 1)
+__global__ void __launch_bounds__(block_threads(kRowSplit), kRowSplit ? 2 : 1)
     all_reduce_kernel(const KernelParams p) {
-  constexpr int kThreads = kRowSplit ? kRowSplitThreads : SK_THREADS;
+  constexpr int kThreads = block_threads(kRowSplit);
   __shared__ Shared sh;
   uint32_t* ctl = p.control;
   uint32_t* states = ctl + SK_STATE_OFFSET_WORDS;
@@ -1443,7 +1447,7 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
   return on_device(device, [&]() -> int {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(p.blocks);
-    config.blockDim = dim3(row_split ? kRowSplitThreads : SK_THREADS);
+    config.blockDim = dim3(block_threads(row_split));
     config.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attrs[2];
     unsigned count = 0;
