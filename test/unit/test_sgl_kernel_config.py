@@ -614,3 +614,17 @@ def test_missing_p2p_is_reported_with_both_gpus_and_the_fallback(monkeypatch):
 def test_ranks_sharing_one_gpu_need_no_p2p(monkeypatch):
     monkeypatch.setattr(_lib, "lib", lambda: _FakeLib())
     assert workspace._p2p_problems(1, 0, ["0000:01:00.0"] * 4) is None
+
+
+def test_row_blocks_slice_bound_matches_the_kernels():
+    """sk_launch refuses a slice past kMaxVecPerSlice x kRowSplitThreads vectors: a
+    MAX_ROW_SLICE_VECTORS above it would send calls the kernel refuses, one below it would
+    give up splits the kernel holds."""
+    kernel_sources = Path(__file__).resolve().parents[2] / "sgl-kernel-sm120" / "csrc"
+    source = (kernel_sources / "all_reduce.cu").read_text()
+    block = re.search(r"#define SK_THREADS (\d+)", (kernel_sources / "sk_api.h").read_text())
+    divisor = re.search(r"constexpr int kRowSplitThreads = SK_THREADS / (\d+);", source)
+    per_thread = re.search(r"constexpr int kMaxVecPerSlice = (\d+);", source)
+    assert block and divisor and per_thread, "the row-split bounds are no longer spelled out"
+    threads = int(block.group(1)) // int(divisor.group(1))
+    assert config.MAX_ROW_SLICE_VECTORS == int(per_thread.group(1)) * threads
