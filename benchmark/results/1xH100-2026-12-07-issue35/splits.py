@@ -15,8 +15,8 @@ for cap in [int(a) for a in sys.argv[1:]] or [config.MAX_ROW_SPLIT_BLOCKS]:
     for world in (2, 4, 8):
         ranks = CommWorkspace.create_local(world, 128, HIDDEN, torch.bfloat16, 0)
         plan = []
+        ws = ranks[0]
         for tokens in (1, 8, 16, 32, 64, 128):
-            ws = ranks[0]
             nbytes = tokens * HIDDEN * 2
             variant, blocks = ws.plan(nbytes)
             variant = config.fused_variant(tokens, HIDDEN, variant, blocks, ws.tuning, ws.layout)
@@ -24,8 +24,8 @@ for cap in [int(a) for a in sys.argv[1:]] or [config.MAX_ROW_SPLIT_BLOCKS]:
             name = "oneshot" if variant == _lib.VARIANT_ONESHOT else "twoshot"
             plan.append(f"{tokens}:{name}x{per_row}")
         print(
-            f"cap {cap} world {world} row_split_blocks {ranks[0].tuning.row_split_blocks}:",
+            f"cap {cap} world {world} row_split_blocks {ws.tuning.row_split_blocks}:",
             " ".join(plan),
         )
-        for ws in ranks:
-            ws.close()
+        for rank in ranks:
+            rank.close()
