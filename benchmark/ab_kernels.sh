@@ -13,7 +13,8 @@
 # the bench process first (e.g. to set a sgl_kernel_sm120.config rule for that variant). The
 # variants share this checkout's sk_api.h and Python packages (installed, or these sources).
 # ROUNDS (default 2); the libraries are built in AB_WORK (default: a new folder in /tmp) as
-# NAME.so. Writes OUT/ab.txt (the table), OUT/bench-NAME.txt (every round's output) and
+# NAME.so, once per SOURCE (variants that differ only in their prelude share one build).
+# Writes OUT/ab.txt (the table), OUT/bench-NAME.txt (every round's output) and
 # OUT/ab-json.tar.gz (every run's JSON and PNG).
 set -uo pipefail
 OUT=${1:?usage: ab_kernels.sh OUT NAME=SOURCE[:PRELUDE] ... -- [bench args]}
@@ -29,6 +30,7 @@ export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 
 names=()
 declare -A preludes  # NAME -> its prelude's Python ("pass" for none)
+declare -A built  # SOURCE -> the library already built from it (one build per source)
 for spec in "${variants[@]}"; do
   name=${spec%%=*}
   rest=${spec#*=}
@@ -36,6 +38,11 @@ for spec in "${variants[@]}"; do
   names+=("$name")
   preludes[$name]="pass"
   [[ $rest == *:* ]] && preludes[$name]="exec(open('${rest#*:}').read())"
+  if [ -n "${built[$src]:-}" ]; then
+    cp "${built[$src]}" "$work/$name.so" || exit 1
+    continue
+  fi
+  built[$src]=$work/$name.so
   if ! ${CUDACXX:-nvcc} -shared -O3 -std=c++17 --cudart static -Xcompiler=-fPIC,-fvisibility=hidden \
     "--generate-code=arch=compute_$cc,code=sm_$cc" -I sgl-kernel-sm120/csrc \
     -o "$work/$name.so" "$src" > "$work/$name.build" 2>&1; then
