@@ -20,11 +20,13 @@ STEP=${1:?usage: run.sh cap|tests OUT}
 OUT=$(realpath -m "${2:?usage: run.sh cap|tests OUT}")
 mkdir -p .out/variants "$OUT"
 # rs256 is the committed kernel (4d920cd); trig, the one before it, is that with the prepared
-# diffs taken back.
+# diffs taken back. Since b30c60d they no longer take back: WITH_TRIG=0 skips them.
 cp sgl-kernel-sm120/csrc/all_reduce.cu .out/variants/rs256.cu
-patch -s -R -o .out/variants/tail.cu .out/variants/rs256.cu < "$prep/rs256-on-tail.diff" \
-  && patch -s -R -o .out/variants/trig.cu .out/variants/tail.cu < "$prep/tail-on-trig.diff" \
-  || { echo "the diffs do not take back from this all_reduce.cu"; exit 2; }
+if [ "${WITH_TRIG:-1}" != 0 ]; then
+  patch -s -R -o .out/variants/tail.cu .out/variants/rs256.cu < "$prep/rs256-on-tail.diff" \
+    && patch -s -R -o .out/variants/trig.cu .out/variants/tail.cu < "$prep/tail-on-trig.diff" \
+    || { echo "the diffs do not take back from this all_reduce.cu"; exit 2; }
+fi
 pack() {
   (cd "$(dirname "$OUT")" && tar czf "$OUT.tar.gz" --exclude='*.so' "$(basename "$OUT")") \
     && rm -rf "$OUT"
