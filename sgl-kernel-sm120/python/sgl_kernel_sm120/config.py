@@ -359,9 +359,10 @@ MAX_ROW_SLICE_VECTORS = 512  # and at most this many (the kernel's 256 threads x
 # 1x H200, ranks as streams, world 2, hidden 7168: split rows won up to 64 blocks (32 tokens
 # in 2 slices: 4.8 us against 6.2 with a block per row), where the clusters fit at once. That
 # was with 512-thread blocks; in 256-thread blocks 32 tokens in 2 slices took 5.3 us (1x
-# H100). A cap of 128 changed no plan there (benchmark/results/1xH100-2026-12-07b-issue35):
-# with two ranks on one GPU the grid cap (66) and the clusters of 4 that fit (31 a rank) bind
-# first. On one GPU per rank it would allow 32 tokens in 4 slices, which is unmeasured.
+# H100). A cap of 128 changed no measured plan there, two ranks on one GPU: the grid cap (66)
+# and the clusters of 4 that fit (31 a rank) bind first (benchmark/results/
+# 1xH100-2026-12-07b-issue35). On one GPU per rank it would allow 32 tokens in 4 slices,
+# which is unmeasured.
 MAX_ROW_SPLIT_BLOCKS = 64
 
 
