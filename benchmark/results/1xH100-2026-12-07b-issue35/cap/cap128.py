@@ -1,1 +1,3 @@
-import sgl_kernel_sm120.config as c; c.MAX_ROW_SPLIT_BLOCKS = 128
+import sgl_kernel_sm120.config as c
+
+c.MAX_ROW_SPLIT_BLOCKS = 128
