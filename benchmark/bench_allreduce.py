@@ -62,6 +62,7 @@ except ImportError:  # not installed: use the sources (library from $SGLANG_SM12
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sgl-kernel-sm120" / "python"))
     import sgl_kernel_sm120 as sk
 
+from sgl_kernel_sm120 import config as sk_config
 from sgl_kernel_sm120.testing import LocalRanks
 
 if importlib.util.find_spec("sglang_sm120") is None:  # plugin not installed: use the sources
@@ -182,7 +183,7 @@ def bench_local(world_size: int, tokens_list: list[int], hidden: int, args) -> d
             row = {
                 "tokens": tokens,
                 "bytes": tokens * hidden * 2,
-                "variant": "oneshot" if variant == 0 else "twoshot",
+                "variant": sk_config.VARIANT_NAMES[variant],
                 "blocks": blocks,
                 "floor": time_local(
                     ranks, lambda r, ws, b=blocks: empty(b), args.calls, args.replays
@@ -290,7 +291,7 @@ def _mp_worker(rank: int, world_size: int, init_file: str, result_file: str, arg
             row = {
                 "tokens": tokens,
                 "bytes": tokens * hidden * 2,
-                "variant": "oneshot" if variant == 0 else "twoshot",
+                "variant": sk_config.VARIANT_NAMES[variant],
                 "blocks": blocks,
                 "floor": time_graph(lambda b=blocks: empty(b)),
                 "ours_plain": time_graph(lambda x=x: sk.all_reduce(x, ws)),

@@ -15,6 +15,11 @@
 //   k (the clear included) has finished. And no peer can overwrite buffer k%3 before this rank
 //   has read it: that write belongs to call k+3, which needs this rank's data of call k+2. So
 //   there is no end barrier, and a slow rank is never overwritten.
+// - Lamport two-shot (mid-size messages, SK_VARIANT_TWOSHOT_LAMPORT): the two-shot's two
+//   phases, each Lamport-style as above, in the one-shot buffers and their rotation (a call of
+//   either kind counts as a one-shot call there). Every rank's chunk is non-empty, so each peer
+//   needs data of this rank in every such call, which the rotation's argument rests on. See
+//   run_twoshot_lamport.
 // - Two-shot (large messages): reduce-scatter then all-gather, with flags carrying the call
 //   number (release store to the peer, acquire poll locally). Its second round is the end
 //   barrier of the first; push slots alternate between two parities. Call numbers are 64-bit:
@@ -94,6 +99,9 @@ struct KernelParams : SkLaunchParams {
   // Two-shot fused in whole-row pieces (the row-pieces kernel, see sk_launch): rows of each
   // rank's chunk, ceil(rows / world_size), and of each block's piece of it.
   int32_t chunk_rows, piece_rows;
+  // Lamport two-shot: vectors of each rank's chunk, ceil(numel / 8 / world_size), and of each
+  // block's piece of it, ceil(chunk / blocks).
+  int64_t twoshot_chunk, twoshot_piece;
   float inv_hidden;  // fused: 1 / hidden, so the mean square is one multiply, not a division
 };
 
@@ -573,7 +581,9 @@ __device__ bool add_rmsnorm_rows(const KernelParams& p, Shared& sh, SumOf sum_of
 // uses, where add_rmsnorm_rows gives it to one block. A block that gave up still takes part
 // in the exchange (a peer block must not wait for it, nor write into the shared memory of a
 // block that has exited).
-template <typename T, typename SumOf>
+// kPushPartition: sum_of(v) waits for block b of every peer when v is in block b's one-shot
+// share (the one-shot); the Lamport two-shot's gathered vectors come from any block.
+template <typename T, bool kPushPartition, typename SumOf>
 __device__ bool add_rmsnorm_row_split(const KernelParams& p, Shared& sh, SumOf sum_of) {
   const int parts = cluster_blocks(), part = cluster_block_rank();
   uint32_t row;  // cluster c owns row c: its index without a division
@@ -604,7 +614,7 @@ __device__ bool add_rmsnorm_row_split(const KernelParams& p, Shared& sh, SumOf s
   // (the one-shot share, oneshot_share): once a thread's first vector has arrived from every
   // peer, each peer block this block waits on has started, as in the plain all-reduce, and the
   // next kernel may launch. Otherwise the block's barrier below is the first such point.
-  const bool polls_own_index = per_part * parts == row_vecs;
+  const bool polls_own_index = kPushPartition && per_part * parts == row_vecs;
   float val[kMaxVecPerSlice][8];
   float sum_sq = 0.f;
   bool ok = true;
@@ -781,32 +791,38 @@ __device__ bool add_rmsnorm_reduced_rows(const KernelParams& p, Shared& sh, cons
   return true;
 }
 
-// Sum over ranks of one-shot vector v: this rank's own input plus what every peer pushed into
-// `slots` (this rank's receive buffer of this call), in rank order so all ranks get the same
-// bits. Polls until no lane of any peer's vector is empty; false when the wait timed out (or
-// another thread of the block gave up), after recording who was missing. One predicated load
-// per peer: at verify sizes the poll's instructions are its cost. The slots of this rank and of
-// ranks past the world hold `mine`, which is sendable, so never empty: each re-poll checks
-// slots 0-3 without a guard and 4-7 behind one uniform branch (world > 4).
-constexpr int kLowSlots = SK_MAX_RANKS / 2;  // sum_arrived: slots checked without a guard
+// Polls entry `index` of the slots of ranks [0, polled) other than this one (this rank's
+// receive buffer of this call) until no lane of any is empty, into u; the other entries hold
+// `mine`, which is sendable, so never empty. False when the wait timed out (or another thread
+// of the block gave up), after recording who was missing (`kind`: which phase; see
+// wait_bound). One predicated
+// load per peer: at verify sizes the poll's instructions are its cost. Each re-poll checks
+// slots 0-3 without a guard and 4-7 behind one uniform branch (polled > 4).
+constexpr int kLowSlots = SK_MAX_RANKS / 2;  // poll_arrived: slots checked without a guard
 
-template <typename T>
-__device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh,
-                            const uint4* slots, int64_t slot_vecs, const uint4* input, int64_t v,
-                            uint64_t epoch) {
-  const int world = p.world_size, rank = p.rank;
-  const uint4 mine = sendable(input[v]);
-  uint4 u[SK_MAX_RANKS];
+// How long a Lamport wait may last. A wait for gathered data (the Lamport two-shot's second
+// phase) gets twice the bound: where a rank never came, the live ranks' gathers stall too, and
+// a gather wait that expired first would record a live rank (the owner of the chunk it reads)
+// as missing; the reduce-scatter wait, which names the rank that did not come, must win the
+// error record (first error wins).
+__device__ __forceinline__ uint64_t wait_bound(const SkLaunchParams& p, int kind) {
+  return kind == kKindGather ? 2 * p.timeout_ns : p.timeout_ns;
+}
+
+__device__ __forceinline__ bool poll_arrived(uint4 (&u)[SK_MAX_RANKS], const SkLaunchParams& p,
+                                             Shared& sh, const uint4* slots, int64_t slot_vecs,
+                                             int64_t index, const uint4& mine, int polled,
+                                             int kind, uint64_t epoch) {
+  const int rank = p.rank;
 #pragma unroll
   for (int j = 0; j < SK_MAX_RANKS; ++j) {
-    u[j] = mine;  // this rank's slot, and ranks past the world: never polled
-    if (j < world && j != rank) u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
+    u[j] = mine;  // this rank's slot, and ranks past `polled`: never polled
+    if (j < polled && j != rank) u[j] = ld_volatile_v4(slots + j * slot_vecs + index);
   }
   uint64_t start = 0;
-  bool ok = true;
   for (;;) {
-    int missing = -1;  // the lowest rank still missing; `mine` is never empty (sendable)
-    if (world > kLowSlots) {
+    int missing = -1;  // the lowest rank still missing
+    if (polled > kLowSlots) {
 #pragma unroll
       for (int j = SK_MAX_RANKS - 1; j >= kLowSlots; --j) {
         if (has_empty_lane(u[j])) missing = j;
@@ -816,36 +832,139 @@ __device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh
     for (int j = kLowSlots - 1; j >= 0; --j) {
       if (has_empty_lane(u[j])) missing = j;
     }
-    if (missing < 0) break;
+    if (missing < 0) return true;
     if (start == 0) {
       start = globaltimer_ns();
-    } else if (globaltimer_ns() - start > p.timeout_ns) {
+    } else if (globaltimer_ns() - start > wait_bound(p, kind)) {
       sh.abort = 1;
-      report_timeout(p, missing, kKindPush, epoch);
-      ok = false;
-      break;
+      report_timeout(p, missing, kind, epoch);
+      return false;
     }
-    if (*reinterpret_cast<volatile int*>(&sh.abort)) {
-      ok = false;
-      break;
-    }
+    if (*reinterpret_cast<volatile int*>(&sh.abort)) return false;
 #pragma unroll
     for (int j = 0; j < kLowSlots; ++j) {
-      if (has_empty_lane(u[j])) u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
+      if (has_empty_lane(u[j])) u[j] = ld_volatile_v4(slots + j * slot_vecs + index);
     }
-    if (world > kLowSlots) {
+    if (polled > kLowSlots) {
 #pragma unroll
       for (int j = kLowSlots; j < SK_MAX_RANKS; ++j) {
-        if (has_empty_lane(u[j])) u[j] = ld_volatile_v4(slots + j * slot_vecs + v);
+        if (has_empty_lane(u[j])) u[j] = ld_volatile_v4(slots + j * slot_vecs + index);
       }
     }
   }
+}
+
+// Polls one Lamport entry, written by rank `src`, until no lane of it is empty (see
+// poll_arrived).
+__device__ __forceinline__ bool poll_one(uint4& u, const SkLaunchParams& p, Shared& sh,
+                                         const uint4* at, int src, int kind, uint64_t epoch) {
+  u = ld_volatile_v4(at);
+  if (!has_empty_lane(u)) return true;
+  const uint64_t start = globaltimer_ns();
+  for (;;) {
+    if (*reinterpret_cast<volatile int*>(&sh.abort)) return false;
+    if (globaltimer_ns() - start > wait_bound(p, kind)) {
+      sh.abort = 1;
+      report_timeout(p, src, kind, epoch);
+      return false;
+    }
+    u = ld_volatile_v4(at);
+    if (!has_empty_lane(u)) return true;
+  }
+}
+
+// Sum over ranks of a Lamport-pushed vector: this rank's own input[v] plus what every peer
+// pushed into entry `index` of its slot of `slots`, in rank order so all ranks get the same
+// bits (see poll_arrived; false: the wait gave up). The one-shot's index is v itself.
+template <typename T>
+__device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh,
+                            const uint4* slots, int64_t slot_vecs, int64_t index,
+                            const uint4* input, int64_t v, uint64_t epoch) {
+  uint4 u[SK_MAX_RANKS];
+  const bool ok = poll_arrived(u, p, sh, slots, slot_vecs, index, sendable(input[v]),
+                               p.world_size, kKindPush, epoch);
   zero(acc);
 #pragma unroll
   for (int j = 0; j < SK_MAX_RANKS; ++j) {
-    if (j < world) Vec8<T>::add_to(acc, u[j]);
+    if (j < p.world_size) Vec8<T>::add_to(acc, u[j]);
   }
   return ok;
+}
+
+// Lamport buffer rotation, shared by the one-shot and the Lamport two-shot (see the top of
+// this file): each call of either reads buffer `current` and clears buffer `previous`, which
+// it read in its previous call. The call state keeps, per buffer, a dirty word: vectors per
+// peer slot written into it, with kDirtyOwnSlot set where this rank also wrote its own slot
+// (the fused Lamport two-shot's gather; the one-shot never writes it).
+constexpr uint32_t kDirtyOwnSlot = 0x80000000u;
+
+__device__ __forceinline__ uint32_t dirty_word(const uint32_t (&state)[SK_STATE_WORDS],
+                                               int buffer) {
+  uint32_t word = 0;
+  // Constant indices only (a runtime index would put `state` in local memory).
+#pragma unroll
+  for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) word = (b == buffer) ? state[kStateDirty + b] : word;
+  return word;
+}
+
+// The next call's buffer, and what this call leaves dirty in each (`written` in `current`).
+__device__ __forceinline__ void advance_buffers(uint32_t (&state)[SK_STATE_WORDS], int current,
+                                                int previous, uint32_t written) {
+#pragma unroll
+  for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) {
+    if (b == previous) state[kStateDirty + b] = 0;
+    if (b == current) state[kStateDirty + b] = written;
+  }
+  state[kStateOneshotBuffer] = (current + 1) % SK_LAMPORT_BUFFERS;
+}
+
+// Which threads clear the previous buffer: this thread's index among the `count` clearers of
+// the block, or < 0 when it only pushes and polls. When a block's pushes leave at least one warp
+// without a vector (verify sizes), those warps clear, so the pushing threads go straight to
+// their polls: at TP2, 16 tokens (448 vectors in a 512-thread block, two clearing warps) this
+// took the fused one-shot call from 5.3 to 4.8 us (1x H200, ranks as streams); a 256-thread
+// row-split block of 224 vectors keeps one clearing warp. Otherwise, and when the previous call
+// left more than kMaxSplitClears vectors per peer slot for each such clearer (a prefill before a
+// verify step), every thread clears after its pushes. The dirty word, and so the clearer count,
+// is the same in every block, so the blocks' shares tile what is dirty. Roles go by whole warps:
+// a warp holding one pusher would make it wait for its clearing lanes.
+struct ClearRoles {
+  int clearer, count;
+};
+
+template <int kThreads>
+__device__ __forceinline__ ClearRoles clear_roles(int64_t pushed_per_block, uint32_t previous_word,
+                                                  int nblocks) {
+  constexpr int64_t kMaxSplitClears = 8;
+  const int64_t dirty = previous_word & ~kDirtyOwnSlot;
+  const int vector_threads = static_cast<int>(min(pushed_per_block, static_cast<int64_t>(kThreads)));
+  const int pushers = min(kThreads, (vector_threads + 31) / 32 * 32);
+  const int spare = kThreads - pushers;
+  const bool split = spare > 0 && dirty <= kMaxSplitClears * static_cast<int64_t>(nblocks) * spare;
+  const int t = threadIdx.x;
+  return split ? ClearRoles{t - pushers, spare} : ClearRoles{t, kThreads};
+}
+
+// Back to "not arrived" (0xFFFF lanes): what peers wrote into `buffer` in this rank's previous
+// call of it, and this rank's own slot where it wrote that too. The blocks' clearers split it.
+__device__ __forceinline__ void clear_previous_buffer(const KernelParams& p, uint4* buffer,
+                                                      int64_t slot_vecs, uint32_t previous_word,
+                                                      const ClearRoles& roles) {
+  if (roles.clearer < 0) return;  // a pusher goes straight to its polls
+  const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
+  const int64_t dirty = previous_word & ~kDirtyOwnSlot;
+  const bool own_slot = (previous_word & kDirtyOwnSlot) != 0;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * roles.count;
+  for (int src = 0; src < p.world_size; ++src) {
+    if (src == p.rank && !own_slot) continue;  // the one-shot never writes its own slot
+    uint4* slot = buffer + src * slot_vecs;
+    // This rank's own slot holds gather entries only: the upper half of the dirty range.
+    const int64_t first = src == p.rank ? dirty / 2 : 0;
+    for (int64_t i = first + static_cast<int64_t>(blockIdx.x) * roles.count + roles.clearer;
+         i < dirty; i += step) {
+      slot[i] = empty;
+    }
+  }
 }
 
 // This block's share [v0, v1) of a one-shot message of nvec vectors (the same partition on
@@ -868,7 +987,7 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
                             uint64_t epoch, const OneshotShare& share, const uint4& first_input) {
   constexpr int kThreads = block_threads(kRowSplit);
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
-  const int block = blockIdx.x, nblocks = gridDim.x;
+  const int nblocks = gridDim.x;
   const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
   const int current =
       single ? 0 : static_cast<int>(state[kStateOneshotBuffer] % SK_LAMPORT_BUFFERS);
@@ -901,50 +1020,14 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
   asm volatile("" ::: "memory");  // the pushes stay before every poll below
   stamp(p, 2);
 
-  // Clear what peers wrote into the previous buffer (read in the previous call) while their
-  // data of this call is on its way. When a block's vectors leave at least one warp without a
-  // vector (verify sizes), those warps clear, so the pushing threads go straight to their
-  // polls: at TP2, 16 tokens (448 vectors in a 512-thread block, two clearing warps) this took
-  // the fused call from 5.3 to 4.8 us (1x H200, ranks as streams); a 256-thread row-split block
-  // of 224 vectors keeps one clearing warp. Otherwise, and when the previous call left
-  // more than kMaxSplitClears vectors per peer slot for each such clearer (a prefill before a
-  // verify step), every thread clears after its pushes. dirty, and so the clearer count, is
-  // the same in every block, so the blocks' shares tile [0, dirty). Roles go by whole warps: a
-  // warp holding one pusher would make it wait for its clearing lanes. The negative control
-  // keeps one buffer and never clears.
-  constexpr int64_t kMaxSplitClears = 8;
+  // Clear the previous buffer while peers' data of this call is on its way (see
+  // clear_previous_buffer; clear_roles for who clears).
   uint4* own = static_cast<uint4*>(p.lamport_from[0]);
-  int64_t dirty = 0;  // vectors per peer slot the previous call wrote into its buffer
   if (!single) {
-    // Constant indices only (a runtime index would put `state` in local memory).
-#pragma unroll
-    for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) dirty = (b == previous) ? state[kStateDirty + b] : dirty;
-  }
-  const int vector_threads = static_cast<int>(min(per_block, static_cast<int64_t>(kThreads)));
-  const int pushers = min(kThreads, (vector_threads + 31) / 32 * 32);
-  const int spare = kThreads - pushers;
-  const bool split_roles =
-      spare > 0 && dirty <= kMaxSplitClears * static_cast<int64_t>(nblocks) * spare;
-  const int clearers = split_roles ? spare : kThreads;
-  const int clearer = split_roles ? t - pushers : t;  // < 0: this thread pushes only
-  if (!single) {
-    const uint4 empty = make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord);
-    if (clearer >= 0) {  // a pusher goes straight to its polls
-      for (int src = 0; src < world; ++src) {
-        if (src == rank) continue;  // nobody writes this rank's own slot
-        uint4* prev = own + previous * buffer_vecs + src * slot_vecs;
-        for (int64_t i = static_cast<int64_t>(block) * clearers + clearer; i < dirty;
-             i += static_cast<int64_t>(nblocks) * clearers) {
-          prev[i] = empty;
-        }
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < SK_LAMPORT_BUFFERS; ++b) {
-      if (b == previous) state[kStateDirty + b] = 0;
-      if (b == current) state[kStateDirty + b] = static_cast<uint32_t>(nvec);
-    }
-    state[kStateOneshotBuffer] = (current + 1) % SK_LAMPORT_BUFFERS;
+    const uint32_t previous_word = dirty_word(state, previous);
+    const ClearRoles roles = clear_roles<kThreads>(per_block, previous_word, nblocks);
+    clear_previous_buffer(p, own + previous * buffer_vecs, slot_vecs, previous_word, roles);
+    advance_buffers(state, current, previous, static_cast<uint32_t>(nvec));
   }
   stamp(p, 3);
   debug_delay(p);
@@ -954,7 +1037,7 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
     uint4* output = static_cast<uint4*>(p.output);
     for (int64_t v = v0 + t; v < v1; v += kThreads) {
       float acc[8];
-      if (!sum_arrived<T>(acc, p, sh, slots, slot_vecs, input, v, epoch)) break;
+      if (!sum_arrived<T>(acc, p, sh, slots, slot_vecs, v, input, v, epoch)) break;
       // Every peer's block of this index pushed vector v: each has started, and it pushes
       // every vector this block waits for (the same partition). A thread without a vector
       // never issues it; a block without any counts as having issued it when it exits.
@@ -966,10 +1049,141 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
     // Rows do not follow the push partition, and need not: each block polls the rows (or the
     // slice of its row) it owns.
     auto sum_of = [&](int64_t v, float (&acc)[8]) {
-      return sum_arrived<T>(acc, p, sh, slots, slot_vecs, input, v, epoch);
+      return sum_arrived<T>(acc, p, sh, slots, slot_vecs, v, input, v, epoch);
     };
     if constexpr (kRowSplit) {
-      add_rmsnorm_row_split<T>(p, sh, sum_of);
+      add_rmsnorm_row_split<T, true>(p, sh, sum_of);
+    } else {
+      add_rmsnorm_rows<T>(p, sh, sum_of);
+    }
+    stamp(p, 4);
+  }
+}
+
+// Lamport two-shot (SK_VARIANT_TWOSHOT_LAMPORT): the two-shot's reduce-scatter and all-gather
+// with each phase's data its own "arrived" signal, as in the one-shot: no flags, no release
+// fences, no barrier between them. It lives in the one-shot's buffers and rotation (a call of
+// either kind reads the next buffer and clears the one it read before). In rank r's buffer,
+// slot s holds what rank s wrote: entries [0, chunk) its input's chunk r (reduce-scatter), and
+// [chunk, 2 chunk) its reduced chunk s (all-gather). Block b reduces piece b of this rank's
+// chunk and polls piece b of every other chunk, so it waits only for block b of each peer,
+// which pushes exactly those vectors. The fused kernel's rows span chunks, so its epilogue polls
+// the gathered rows wherever they are, this rank's own chunk included: there each block also
+// writes its reduced piece into this rank's own slot (kDirtyOwnSlot), from which other blocks of
+// this rank read it. Every chunk must be non-empty (sk_launch checks it): the rotation's safety
+// needs every peer to wait for data of this rank in every call.
+template <typename T, bool kFused, bool kRowSplit>
+__device__ void run_twoshot_lamport(const KernelParams& p, Shared& sh,
+                                    uint32_t (&state)[SK_STATE_WORDS], uint64_t epoch) {
+  constexpr int kThreads = block_threads(kRowSplit);
+  const int world = p.world_size, rank = p.rank, t = threadIdx.x;
+  const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
+  const int current =
+      single ? 0 : static_cast<int>(state[kStateOneshotBuffer] % SK_LAMPORT_BUFFERS);
+  const int previous = (current + SK_LAMPORT_BUFFERS - 1) % SK_LAMPORT_BUFFERS;
+  const int64_t nvec = p.numel / kVecElems;
+  const int64_t slot_vecs = p.lamport_slot_bytes / 16;
+  const int64_t buffer_vecs = static_cast<int64_t>(world) * slot_vecs;
+  const int64_t chunk = p.twoshot_chunk;
+  // This block's piece of every chunk: entries [lo, hi) of it (the last chunk may end early).
+  const int64_t lo = min(chunk, static_cast<int64_t>(blockIdx.x) * p.twoshot_piece);
+  const int64_t hi = min(chunk, lo + p.twoshot_piece);
+  const int64_t last_chunk_end = nvec - (world - 1) * chunk;  // entries of chunk world - 1
+  const uint4* input = static_cast<const uint4*>(p.input);
+  uint4* own = static_cast<uint4*>(p.lamport_from[0]);
+  const int64_t my_slot = current * buffer_vecs + rank * slot_vecs;  // in every rank's buffer
+
+  // Reduce-scatter: entry i of chunk (rank + s) % world goes to that peer, all of a thread's
+  // loads first (independent), then its stores, each through a fixed parameter offset.
+  for (int64_t i = lo + t; i < hi; i += kThreads) {
+    uint4 u[SK_MAX_RANKS];
+#pragma unroll
+    for (int s = 1; s < SK_MAX_RANKS; ++s) {
+      const int owner = rank + s < world ? rank + s : rank + s - world;
+      if (s < world && (owner < world - 1 || i < last_chunk_end)) u[s] = input[owner * chunk + i];
+    }
+#pragma unroll
+    for (int s = 1; s < SK_MAX_RANKS; ++s) {
+      const int owner = rank + s < world ? rank + s : rank + s - world;
+      if (s < world && (owner < world - 1 || i < last_chunk_end)) {
+        static_cast<uint4*>(p.lamport_from[s])[my_slot + i] = sendable(u[s]);
+      }
+    }
+  }
+  asm volatile("" ::: "memory");  // the pushes stay before every poll below
+  stamp(p, 2);
+
+  const uint32_t written = static_cast<uint32_t>(2 * chunk) | (kFused ? kDirtyOwnSlot : 0u);
+  if (!single) {
+    const uint32_t previous_word = dirty_word(state, previous);
+    // The same count in every block, so that the blocks' clearers tile the buffer.
+    const ClearRoles roles = clear_roles<kThreads>(p.twoshot_piece, previous_word, gridDim.x);
+    clear_previous_buffer(p, own + previous * buffer_vecs, slot_vecs, previous_word, roles);
+    advance_buffers(state, current, previous, written);
+  }
+  stamp(p, 3);
+  debug_delay(p);
+
+  // Reduce this rank's piece, then push it to every rank's gather entries (and, fused, to this
+  // rank's own slot; plain, to the output). A thread that gave up stops pushing: its peers'
+  // gather waits for the rest time out (their own reduce-scatter waits, if any, first).
+  const uint4* slots = own + current * buffer_vecs;
+  const int64_t my_end = rank < world - 1 ? chunk : last_chunk_end;
+  const int64_t gathered = my_slot + chunk;  // this rank's gather entries, in every buffer
+  bool ok = true;
+  for (int64_t i = lo + t; i < min(hi, my_end); i += kThreads) {
+    float acc[8];
+    ok = sum_arrived<T>(acc, p, sh, slots, slot_vecs, i, input + rank * chunk, i, epoch);
+    if (!ok) break;
+    // Every peer's block of this index pushed entry i: each has started, and from here on this
+    // block waits only for those blocks (plain) or for blocks the epilogue reads (fused).
+    if (!kFused && i == lo + t) let_next_kernel_launch();
+    const uint4 reduced = sendable(Vec8<T>::pack(acc));
+#pragma unroll
+    for (int s = 1; s < SK_MAX_RANKS; ++s) {
+      if (s < world) static_cast<uint4*>(p.lamport_from[s])[gathered + i] = reduced;
+    }
+    if constexpr (kFused) {
+      own[gathered + i] = reduced;
+    } else {
+      static_cast<uint4*>(p.output)[rank * chunk + i] = reduced;
+    }
+  }
+  asm volatile("" ::: "memory");
+
+  if constexpr (!kFused) {
+    // Piece b of every other chunk, from block b of its owner: all owners' entry i at once.
+    for (int64_t i = lo + t; ok && i < hi; i += kThreads) {
+      uint4 u[SK_MAX_RANKS];
+      const int polled = i < last_chunk_end ? world : world - 1;  // the last chunk may end early
+      ok = poll_arrived(u, p, sh, slots + chunk, slot_vecs, i, make_uint4(0, 0, 0, 0), polled,
+                        kKindGather, epoch);
+      if (!ok) break;
+      if (i == lo + t) let_next_kernel_launch();
+      uint4* output = static_cast<uint4*>(p.output);
+#pragma unroll
+      for (int j = 0; j < SK_MAX_RANKS; ++j) {
+        if (j < polled && j != rank) output[j * chunk + i] = u[j];
+      }
+    }
+    stamp(p, 4);
+  } else {
+    // Gathered vector v: entry v - k chunk of rank k's slot (k = v / chunk), this rank's own
+    // included. A block that gave up above still runs the epilogue (the row split's exchange
+    // needs every block of the cluster): its polls see sh.abort and give up at once.
+    const uint32_t chunk32 = static_cast<uint32_t>(chunk);  // sk_launch: nvec < 2^31
+    auto sum_of = [&](int64_t v, float (&acc)[8]) {
+      const uint32_t k = static_cast<uint32_t>(v) / chunk32;
+      const int64_t index = v - static_cast<int64_t>(k) * chunk;
+      uint4 u;
+      const bool arrived =
+          poll_one(u, p, sh, slots + chunk + k * slot_vecs + index, k, kKindGather, epoch);
+      zero(acc);
+      Vec8<T>::add_to(acc, u);
+      return arrived;
+    };
+    if constexpr (kRowSplit) {
+      add_rmsnorm_row_split<T, false>(p, sh, sum_of);
     } else {
       add_rmsnorm_rows<T>(p, sh, sum_of);
     }
@@ -1097,7 +1311,8 @@ __global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const Kernel
 // Compute at 4 tokens, TP2 H200, warm calls: instruction-fetch stalls are 6% of the plain
 // kernel's active warp cycles (FlashInfer's fused kernel: 1.6%); the split did not move the
 // graph-timed call time beyond run-to-run noise (README, "Measured").
-// kRowSplit: the fused one-shot kernel launched as one cluster per row (row_blocks > 1), in
+// kRowSplit: a fused Lamport kernel (one-shot or two-shot) launched as one cluster per row
+// (row_blocks > 1), in
 // blocks of kRowSplitThreads; its own instantiation, as both epilogues in one kernel exceed 128
 // registers and spill.
 // kPieces: the two-shot fused kernel in whole-row pieces (run_twoshot).
@@ -1148,6 +1363,8 @@ __global__ void __launch_bounds__(block_threads(kRowSplit), kRowSplit ? 2 : 1)
   if (!sh.abort) {
     if constexpr (kVariant == SK_VARIANT_ONESHOT) {
       run_oneshot<T, kFused, preload, kRowSplit>(p, sh, state, epoch, share, first_input);
+    } else if constexpr (kVariant == SK_VARIANT_TWOSHOT_LAMPORT) {
+      run_twoshot_lamport<T, kFused, kRowSplit>(p, sh, state, epoch);
     } else {
       const int parity =
           (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) ? 0 : static_cast<int>(epoch & 1u);
@@ -1180,6 +1397,11 @@ KernelFn kernel_for_type(int variant, int fused, bool row_split, bool row_pieces
     return fused ? all_reduce_kernel<T, SK_VARIANT_ONESHOT, true>
                  : all_reduce_kernel<T, SK_VARIANT_ONESHOT, false>;
   }
+  if (variant == SK_VARIANT_TWOSHOT_LAMPORT) {
+    if (row_split) return all_reduce_kernel<T, SK_VARIANT_TWOSHOT_LAMPORT, true, true>;
+    return fused ? all_reduce_kernel<T, SK_VARIANT_TWOSHOT_LAMPORT, true>
+                 : all_reduce_kernel<T, SK_VARIANT_TWOSHOT_LAMPORT, false>;
+  }
   if (row_pieces) return all_reduce_kernel<T, SK_VARIANT_TWOSHOT, true, false, true>;
   return fused ? all_reduce_kernel<T, SK_VARIANT_TWOSHOT, true>
                : all_reduce_kernel<T, SK_VARIANT_TWOSHOT, false>;
@@ -1201,12 +1423,18 @@ const KernelFn kPeerKernels[] = {
     all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT, false>,
     all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT, true>,
     all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT, true, false, true>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT_LAMPORT, false>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT_LAMPORT, true>,
+    all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT_LAMPORT, true, true>,
     all_reduce_kernel<__half, SK_VARIANT_ONESHOT, false>,
     all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true>,
     all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true, true>,
     all_reduce_kernel<__half, SK_VARIANT_TWOSHOT, false>,
     all_reduce_kernel<__half, SK_VARIANT_TWOSHOT, true>,
     all_reduce_kernel<__half, SK_VARIANT_TWOSHOT, true, false, true>,
+    all_reduce_kernel<__half, SK_VARIANT_TWOSHOT_LAMPORT, false>,
+    all_reduce_kernel<__half, SK_VARIANT_TWOSHOT_LAMPORT, true>,
+    all_reduce_kernel<__half, SK_VARIANT_TWOSHOT_LAMPORT, true, true>,
 };
 
 const KernelFn kNormKernels[] = {add_rmsnorm_kernel<__nv_bfloat16>, add_rmsnorm_kernel<__half>};
@@ -1305,6 +1533,8 @@ SK_EXPORT int sk_max_active_clusters(int device, int cluster_size, int* clusters
     const KernelFn row_split[] = {
         all_reduce_kernel<__nv_bfloat16, SK_VARIANT_ONESHOT, true, true>,
         all_reduce_kernel<__half, SK_VARIANT_ONESHOT, true, true>,
+        all_reduce_kernel<__nv_bfloat16, SK_VARIANT_TWOSHOT_LAMPORT, true, true>,
+        all_reduce_kernel<__half, SK_VARIANT_TWOSHOT_LAMPORT, true, true>,
     };
     cudaLaunchAttribute cluster[1] = {cluster_of(cluster_size)};
     cudaLaunchConfig_t config = {};
@@ -1421,6 +1651,7 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
   const int max_blocks = p.fused == SK_FUSED_NORM_ONLY ? SK_MAX_NORM_BLOCKS : SK_MAX_BLOCKS;
   if (fn == nullptr || p.world_size < 1 || p.world_size > SK_MAX_RANKS || p.rank < 0 ||
       p.rank >= p.world_size || p.blocks < 1 || p.blocks > max_blocks ||
+      p.variant < SK_VARIANT_ONESHOT || p.variant > SK_VARIANT_TWOSHOT_LAMPORT ||
       p.fused < SK_FUSED_NONE || p.fused > SK_FUSED_NORM_ONLY || p.numel % kVecElems != 0 ||
       (p.fused && (p.hidden % kVecElems != 0 || p.hidden > kMaxHidden ||
                    static_cast<int64_t>(p.rows) * p.hidden != p.numel))) {
@@ -1428,14 +1659,26 @@ SK_EXPORT int sk_launch(const SkLaunchParams* params, int device, void* stream) 
   }
   const int row_vecs = p.hidden / kVecElems;
   if (p.row_blocks < 1 || p.row_blocks > SK_MAX_ROW_BLOCKS ||
-      (row_split && (p.fused != SK_FUSED_RMSNORM || p.variant != SK_VARIANT_ONESHOT ||
+      (row_split && (p.fused != SK_FUSED_RMSNORM || p.variant == SK_VARIANT_TWOSHOT ||
                      static_cast<int64_t>(p.rows) * p.row_blocks != p.blocks ||
                      (row_vecs + p.row_blocks - 1) / p.row_blocks >
                          kMaxVecPerSlice * kRowSplitThreads))) {
     return cudaErrorInvalidValue;
   }
+  // Lamport two-shot (config.twoshot_lamport_fits states the same rule in Python): every
+  // rank's chunk non-empty (see run_twoshot_lamport), a slot holds a chunk twice (reduce-scatter
+  // and gather entries), and vector indices fit 31 bits (the epilogue divides in 32).
+  const int64_t nvec = p.numel / kVecElems;
+  const int64_t chunk = (nvec + p.world_size - 1) / p.world_size;
+  if (p.variant == SK_VARIANT_TWOSHOT_LAMPORT && p.fused != SK_FUSED_NORM_ONLY &&
+      ((p.world_size - 1) * chunk >= nvec || 2 * chunk > p.lamport_slot_bytes / 16 ||
+       nvec >= (int64_t{1} << 31))) {
+    return cudaErrorInvalidValue;
+  }
   KernelParams kernel_params;
   static_cast<SkLaunchParams&>(kernel_params) = p;
+  kernel_params.twoshot_chunk = chunk;
+  kernel_params.twoshot_piece = (chunk + p.blocks - 1) / p.blocks;
   for (int s = 0; s < SK_MAX_RANKS; ++s) {
     const int peer = (p.rank + s) % p.world_size;
     kernel_params.lamport_from[s] = s < p.world_size ? p.lamport[peer] : nullptr;

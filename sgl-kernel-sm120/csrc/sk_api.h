@@ -12,7 +12,7 @@
 extern "C" {
 #endif
 
-#define SK_ABI_VERSION 7
+#define SK_ABI_VERSION 8
 #define SK_MAX_RANKS 8
 #define SK_MAX_BLOCKS 128
 #define SK_THREADS 512
@@ -35,8 +35,10 @@ extern "C" {
 #define SK_STATE_OFFSET_WORDS 64
 #define SK_STATE_WORDS 8
 #define SK_STATE_EPOCH 0           // the call number (epoch), low 32 bits
-#define SK_STATE_ONESHOT_BUFFER 1  // the next one-shot call's buffer, 0-2 (read mod 3)
+#define SK_STATE_ONESHOT_BUFFER 1  // the next Lamport call's buffer (one-shot or Lamport
+                                   // two-shot), 0-2 (read mod 3)
 #define SK_STATE_DIRTY 2           // 3 words: vectors per peer slot written into each buffer
+                                   // (bit 31: this rank's own slot too)
 #define SK_STATE_EPOCH_HIGH 5      // the call number, high 32 bits (words 6-7: pad)
 #define SK_CONTROL_WORDS (SK_STATE_OFFSET_WORDS + SK_MAX_BLOCKS * SK_STATE_WORDS)
 
@@ -48,6 +50,8 @@ extern "C" {
 #define SK_DTYPE_FP16 1
 #define SK_VARIANT_ONESHOT 0
 #define SK_VARIANT_TWOSHOT 1
+#define SK_VARIANT_TWOSHOT_LAMPORT 2  // two-shot in the one-shot buffers, no flags (up to
+                                      // a Lamport slot holding two chunks)
 
 #define SK_FUSED_NONE 0       // plain all-reduce
 #define SK_FUSED_RMSNORM 1    // all-reduce + residual add + RMSNorm in one launch
@@ -71,7 +75,8 @@ typedef struct {
                              // through the read-only cache)
   const void* weight;        // fused only, [hidden]
   // Workspace of every rank, indexed by rank (entries >= world_size unused).
-  void* lamport[SK_MAX_RANKS];     // one-shot region: [3 buffers][world][lamport_slot_bytes]
+  void* lamport[SK_MAX_RANKS];     // Lamport region (one-shot and Lamport two-shot):
+                                   // [3 buffers][world][lamport_slot_bytes]
   void* push[SK_MAX_RANKS];        // two-shot region base: [2 parities][world][slot_bytes]
   void* gather[SK_MAX_RANKS];      // gather region base: [max_bytes]
   uint64_t* flags[SK_MAX_RANKS];   // flag words, SK_FLAG_WORDS each
@@ -80,7 +85,7 @@ typedef struct {
   unsigned long long* timeline;  // debug: clock64 stamps of block 0 per phase, or null
   int64_t numel;             // elements in input (multiple of 8)
   int64_t slot_bytes;        // capacity of one two-shot push slot
-  int64_t lamport_slot_bytes;  // capacity of one one-shot slot
+  int64_t lamport_slot_bytes;  // capacity of one Lamport slot
   uint64_t timeout_ns;       // bound on every wait for a peer
   uint64_t debug_delay_ns;   // delay injected after each wait on debug_delay_rank
   int32_t rows;              // fused: tokens

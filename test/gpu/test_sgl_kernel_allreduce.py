@@ -51,6 +51,12 @@ TOKENS = [1, 2, 3, 8, 16, 64, 127, 256, 512, 1024, 2048]
 HIDDENS = [2048, 4096, 7168]
 MAX_TOKENS = 2048
 EPS = 1e-6
+VARIANTS = ["oneshot", "twoshot", "twoshot_lamport"]
+VARIANT_CODES = {
+    "oneshot": _lib.VARIANT_ONESHOT,
+    "twoshot": _lib.VARIANT_TWOSHOT,
+    "twoshot_lamport": _lib.VARIANT_TWOSHOT_LAMPORT,
+}
 
 
 def _make_ranks(world_size: int, max_tokens: int = MAX_TOKENS, hidden: int = 7168, **kw):
@@ -108,7 +114,7 @@ def _fused_matches_reference(
     _check_fused(ranks, xs, residual, weight, outs, what)
 
 
-@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_all_reduce_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
     n = forced_ranks.world_size
     for tokens in TOKENS:
@@ -118,7 +124,7 @@ def test_all_reduce_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
             _check_plain(forced_ranks, xs, outs, f"world {n} {variant} {tokens}x{hidden}")
 
 
-@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
     n = forced_ranks.world_size
     for tokens in TOKENS:
@@ -137,14 +143,14 @@ def test_fused_matches_fp32_reference_at_all_sizes(forced_ranks, variant):
 
 
 @pytest.mark.parametrize("world_size", [2, 8])
-@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_split_into_all_reduce_and_norm_launches_matches_reference(world_size, variant):
     """fused_rows_per_block=1: every fused call with more rows than blocks runs as the
     all-reduce, then the add + RMSNorm launch with one block per row."""
     ranks = _make_ranks(
         world_size, max_tokens=512, oneshot_max_bytes=512 * 7168 * 2, fused_rows_per_block=1
     )
-    code = {"oneshot": _lib.VARIANT_ONESHOT, "twoshot": _lib.VARIANT_TWOSHOT}
+    code = VARIANT_CODES
     try:
         for tokens in (1, 3, 64, 300, 512):
             nbytes = tokens * 7168 * 2
@@ -249,7 +255,7 @@ def test_inputs_are_not_modified(forced_ranks):
 
 
 @pytest.mark.parametrize("world_size", [2, 8])
-@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_fp16_matches_fp32_reference(world_size, variant):
     ranks = _make_ranks(
         world_size,
@@ -279,9 +285,17 @@ def test_variant_is_chosen_by_size_with_default_thresholds(world_size):
     try:
         threshold = ranks.workspaces[0].tuning.oneshot_max_bytes
         assert threshold == sk.default_oneshot_max_bytes(world_size)
+        lamport = ranks.workspaces[0].tuning.twoshot_lamport_max_bytes
+        assert lamport == config.default_twoshot_lamport_max_bytes(world_size)
         for tokens in (1, 4, 64, 512):
             nbytes = tokens * 7168 * 2
-            expected = _lib.VARIANT_ONESHOT if nbytes <= threshold else _lib.VARIANT_TWOSHOT
+            expected = (
+                _lib.VARIANT_ONESHOT
+                if nbytes <= threshold
+                else _lib.VARIANT_TWOSHOT_LAMPORT
+                if nbytes <= lamport
+                else _lib.VARIANT_TWOSHOT
+            )
             assert ranks.workspaces[0].plan(nbytes)[0] == expected
             xs, residual, weight = rank_inputs(
                 world_size, tokens, 7168, torch.bfloat16, seed=tokens
@@ -350,6 +364,12 @@ def test_back_to_back_calls_of_different_sizes_without_sync(forced_ranks):
         (1024, "plain", "oneshot"),
         (7, "fused", "twoshot"),
         (2, "plain", "twoshot"),
+        (16, "fused", "twoshot_lamport"),
+        (5, "plain", "twoshot_lamport"),
+        (1, "plain", "oneshot"),
+        (300, "fused", "twoshot_lamport"),
+        (33, "plain", "twoshot_lamport"),
+        (3, "fused", "oneshot"),
     ]
     data = [rank_inputs(world_size, t, 7168, seed=i) for i, (t, _, _) in enumerate(sequence)]
 
@@ -478,10 +498,11 @@ def _three_calls_with_slow_rank(
         ranks.close()
 
 
-@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
-def test_no_rank_overwrites_a_buffer_a_slow_peer_still_reads(variant):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_rank_overwrites_a_buffer_a_slow_peer_still_reads(variant, fused):
     _, atol = TOLERANCES[torch.bfloat16]
-    violations = _three_calls_with_slow_rank(variant, single_buffer=False)
+    violations = _three_calls_with_slow_rank(variant, single_buffer=False, fused=fused)
     assert max(violations) <= atol, violations
 
 
@@ -496,8 +517,14 @@ def test_fused_two_shot_with_whole_row_pieces_waits_for_a_slow_peer():
 
 @pytest.mark.parametrize(
     ("variant", "fused", "max_blocks"),
-    [("oneshot", False, None), ("twoshot", False, None), ("twoshot", True, 4)],
-    ids=["oneshot", "twoshot", "twoshot-fused-pieces"],
+    [
+        ("oneshot", False, None),
+        ("twoshot", False, None),
+        ("twoshot", True, 4),
+        ("twoshot_lamport", False, None),
+        ("twoshot_lamport", True, None),
+    ],
+    ids=["oneshot", "twoshot", "twoshot-fused-pieces", "twoshot_lamport", "twoshot_lamport-fused"],
 )
 def test_a_workspace_stays_correct_across_the_32_bit_wrap_of_its_call_count(
     variant, fused, max_blocks
@@ -523,11 +550,12 @@ def test_a_workspace_stays_correct_across_the_32_bit_wrap_of_its_call_count(
     assert numbers == {2**32 + 1}
 
 
-def test_buffer_reuse_test_catches_a_kernel_without_the_rotating_buffers():
-    """Negative control for the test above: with one one-shot buffer instead of three (and no
-    clearing), fast ranks overwrite the slow rank's one-shot data before it reads them."""
+@pytest.mark.parametrize("variant", ["oneshot", "twoshot_lamport"])
+def test_buffer_reuse_test_catches_a_kernel_without_the_rotating_buffers(variant):
+    """Negative control for the test above: with one Lamport buffer instead of three (and no
+    clearing), fast ranks overwrite the slow rank's data before it reads them."""
     _, atol = TOLERANCES[torch.bfloat16]
-    violations = _three_calls_with_slow_rank("oneshot", single_buffer=True)
+    violations = _three_calls_with_slow_rank(variant, single_buffer=True)
     assert max(violations) > atol, "the race did not show: the reuse test proves nothing"
 
 
@@ -541,6 +569,8 @@ def test_cuda_graph_replays_1000_times_with_changing_inputs(world_size):
         (256, "plain", "twoshot"),
         (96, "fused", "twoshot"),
         (5, "plain", None),
+        (12, "fused", "twoshot_lamport"),
+        (32, "plain", "twoshot_lamport"),
     ]
     data = [
         [rank_inputs(world_size, t, 7168, seed=100 * k + i) for i, (t, _, _) in enumerate(calls)]
@@ -616,7 +646,7 @@ def test_cuda_graph_replays_1000_times_with_changing_inputs(world_size):
 @pytest.mark.parametrize(
     ("tokens", "hidden"), [(64, 2048), (4, 7168)], ids=["block-per-row", "row-split-cluster"]
 )
-@pytest.mark.parametrize("variant", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden, calls_before):
     """The error names the absent rank and the call, by its whole 64-bit number."""
     world_size, timeout_ms = 4, 300
@@ -627,8 +657,8 @@ def test_missing_peer_fails_with_error_within_timeout(variant, tokens, hidden, c
         timeout_ms=timeout_ms,
         oneshot_max_bytes=64 * hidden * 2,
     )
-    expected_row_blocks = 4 if (variant, hidden) == ("oneshot", 7168) else 1
-    code = _lib.VARIANT_ONESHOT if variant == "oneshot" else _lib.VARIANT_TWOSHOT
+    expected_row_blocks = 4 if variant != "twoshot" and hidden == 7168 else 1
+    code = VARIANT_CODES[variant]
     tuning = ranks.workspaces[0].tuning
     assert config.row_blocks(tokens, hidden, code, tuning) == expected_row_blocks
     try:

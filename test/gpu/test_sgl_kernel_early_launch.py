@@ -44,8 +44,9 @@ EPS = 1e-6
 STEPS = 3  # each step: all-reduce, then fused all-reduce + add + RMSNorm of its output
 # (tokens, variant, fused_rows_per_block): the paths a fused call takes at these sizes on
 # 2-8 ranks: the row split (1, 16), block-per-row or row split (64), two-shot in whole-row
-# pieces or one-shot (300), two-shot with strided rows (7, forced), and split into an
-# all-reduce and a norm launch (64, one row per block).
+# pieces or one-shot (300), two-shot with strided rows (7, forced), split into an all-reduce
+# and a norm launch (64, one row per block), and the Lamport two-shot (16 and 64 at 4 and 8
+# ranks by default; 7, forced, also at 2).
 CHAINS = [
     (1, None, None),
     (16, None, None),
@@ -53,6 +54,7 @@ CHAINS = [
     (300, None, None),
     (7, "twoshot", None),
     (64, None, 1),
+    (7, "twoshot_lamport", None),
 ]
 LAGGARD_SLEEP_CYCLES = 20_000_000  # ~10 ms: the last rank starts long after the others
 STEP_SLEEP_CYCLES = 30_000  # ~15 us before each of its steps

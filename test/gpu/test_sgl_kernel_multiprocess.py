@@ -66,6 +66,8 @@ def _correctness(rank: int, world_size: int) -> None:
             (128, "plain", "twoshot"),
             (3, "fused", "oneshot"),
             (100, "fused", "twoshot"),
+            (5, "plain", "twoshot_lamport"),
+            (20, "fused", "twoshot_lamport"),
             (64, "fused", None),
             (8, "plain", None),
         ]

@@ -38,16 +38,29 @@ def _clean_env(monkeypatch):
 
 
 def test_workspace_bytes_follow_the_readme_formula_at_8_ranks_hidden_7168():
-    # README: bytes = 40 KiB + 3 N L + 2 N C + S, L = min(O, S), C = ceil(S / N).
-    for max_tokens in (64, 256, 512, 2048):
+    # README: bytes = 40 KiB + 3 N L + 2 N C + S, C = ceil(S / N), and L the larger of
+    # min(O, S) (a one-shot message) and 2 ceil(min(T, S) / N) (two Lamport two-shot chunks).
+    for max_tokens in (8, 64, 256, 512, 2048):
         s = max_tokens * 7168 * 2
-        lamport, chunk = min(32 * KIB, s), s // 8
-        expected = 40 * KIB + 3 * 8 * lamport + 2 * 8 * chunk + s
+        lamport = max(min(32 * KIB, s), 2 * min(512 * KIB, s) // 8)
+        expected = 40 * KIB + 3 * 8 * lamport + 2 * 8 * (s // 8) + s
         assert sk.workspace_bytes(8, max_tokens, 7168) == expected
 
 
-def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_11_3_mib():
-    assert sk.workspace_bytes(8, 256, 7168) == 11_837_440
+def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_13_5_mib():
+    assert sk.workspace_bytes(8, 256, 7168) == 14_196_736
+
+
+@pytest.mark.parametrize(("world_size", "bound"), [(2, 1 * MIB), (4, 1 * MIB), (8, 512 * KIB)])
+def test_default_lamport_two_shot_bounds(world_size, bound):
+    assert config.default_twoshot_lamport_max_bytes(world_size) == bound
+
+
+def test_lamport_two_shot_off_keeps_the_one_shot_slot():
+    """A Lamport two-shot bound at or below the one-shot's adds nothing to the slots."""
+    without = sk.workspace_layout(8, 1 * MIB, 32 * KIB, 32 * KIB)
+    assert without.lamport_slot_bytes == 32 * KIB
+    assert sk.workspace_layout(8, 1 * MIB, 32 * KIB, 512 * KIB).lamport_slot_bytes == 128 * KIB
 
 
 @pytest.mark.parametrize(
@@ -95,11 +108,54 @@ def test_default_oneshot_thresholds(world_size, threshold):
     assert sk.default_oneshot_max_bytes(world_size) == threshold
 
 
-def test_variant_switches_to_twoshot_just_above_the_threshold():
+def _tuned_layout(world_size: int, tuning: config.Tuning, max_bytes: int = 64 * MIB):
+    return config.workspace_layout(
+        world_size, max_bytes, tuning.oneshot_max_bytes, tuning.twoshot_lamport_max_bytes
+    )
+
+
+def test_variant_goes_one_shot_then_lamport_two_shot_then_two_shot_with_flags():
     tuning = sk.resolve_tuning(8)
-    threshold = tuning.oneshot_max_bytes
-    assert sk.choose_variant(threshold, tuning) == _lib.VARIANT_ONESHOT
-    assert sk.choose_variant(threshold + 16, tuning) == _lib.VARIANT_TWOSHOT
+    layout = _tuned_layout(8, tuning)
+    threshold, lamport = tuning.oneshot_max_bytes, tuning.twoshot_lamport_max_bytes
+    assert lamport == config.default_twoshot_lamport_max_bytes(8) == 512 * KIB > threshold
+    assert sk.choose_variant(threshold, tuning, layout) == _lib.VARIANT_ONESHOT
+    assert sk.choose_variant(threshold + 16, tuning, layout) == _lib.VARIANT_TWOSHOT_LAMPORT
+    assert sk.choose_variant(lamport, tuning, layout) == _lib.VARIANT_TWOSHOT_LAMPORT
+    assert sk.choose_variant(lamport + 16, tuning, layout) == _lib.VARIANT_TWOSHOT
+
+
+def test_a_lamport_bound_at_or_below_the_one_shot_bound_turns_it_off(monkeypatch):
+    monkeypatch.setenv(env.TWOSHOT_LAMPORT_MAX_BYTES, "16")
+    tuning = sk.resolve_tuning(8)
+    assert tuning.twoshot_lamport_max_bytes == 16
+    layout = _tuned_layout(8, tuning)
+    for nbytes in (tuning.oneshot_max_bytes + 16, 1 * MIB):
+        assert sk.choose_variant(nbytes, tuning, layout) == _lib.VARIANT_TWOSHOT
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "world_size", "slot", "fits"),
+    [
+        (9 * 16, 8, 1 * MIB, False),  # chunks of 2 vectors: ranks 5-7 would get none
+        (57 * 16, 8, 1 * MIB, True),  # chunks of 8: the last rank's holds 1
+        (56 * 16, 8, 1 * MIB, True),
+        (49 * 16, 8, 1 * MIB, False),  # chunks of 7: 7 ranks take all 49, the last none
+        (1 * MIB, 8, 256 * KIB, True),  # two chunks of 128 KiB fill the slot
+        (1 * MIB + 16, 8, 256 * KIB, False),
+    ],
+)
+def test_lamport_two_shot_needs_every_chunk_non_empty_and_two_in_a_slot(
+    nbytes, world_size, slot, fits
+):
+    assert config.twoshot_lamport_fits(nbytes, world_size, slot) is fits
+
+
+def test_a_message_the_workspace_cannot_take_lamport_two_shot_goes_two_shot_with_flags():
+    tuning = sk.resolve_tuning(8, oneshot_max_bytes=16)
+    layout = _tuned_layout(8, tuning)
+    assert sk.choose_variant(9 * 16, tuning, layout) == _lib.VARIANT_TWOSHOT
+    assert sk.choose_variant(64 * 16, tuning, layout) == _lib.VARIANT_TWOSHOT_LAMPORT
 
 
 @pytest.mark.parametrize(
@@ -110,6 +166,7 @@ def test_grid_grows_with_the_message_up_to_max_blocks(nbytes, blocks):
 
 
 ONESHOT, TWOSHOT = _lib.VARIANT_ONESHOT, _lib.VARIANT_TWOSHOT
+LAMPORT = _lib.VARIANT_TWOSHOT_LAMPORT
 
 
 @pytest.mark.parametrize(
@@ -171,7 +228,7 @@ def test_a_fused_call_that_one_shot_would_split_runs_two_shot_in_whole_row_piece
 ):
     tuning = sk.resolve_tuning(2, max_blocks=blocks, fused_rows_per_block=rows_per_block)
     layout = _layout(2)
-    assert config.choose_variant(rows * 7168 * 2, tuning) == ONESHOT
+    assert config.choose_variant(rows * 7168 * 2, tuning, layout) == ONESHOT
     assert config.fused_variant(rows, 7168, ONESHOT, blocks, tuning, layout) == expected
 
 
@@ -628,3 +685,19 @@ def test_row_blocks_slice_bound_matches_the_kernels():
     assert block and divisor and per_thread, "the row-split bounds are no longer spelled out"
     threads = int(block.group(1)) // int(divisor.group(1))
     assert config.MAX_ROW_SLICE_VECTORS == int(per_thread.group(1)) * threads
+
+
+def test_a_fused_call_the_lamport_two_shot_would_split_runs_two_shot_with_flags():
+    """Four ranks with a 16-block grid: 64 rows of 7168 are 4 a block, past the Lamport
+    epilogue's two, so the call left to the size runs the two-shot with flags (one launch,
+    several rows per pass) rather than two launches; 32 rows (2 a block) stay Lamport, and so
+    does a call whose user-set bound asks for the split."""
+    tuning = sk.resolve_tuning(4, max_blocks=16)
+    layout = _tuned_layout(4, tuning)
+    for rows, expected in ((32, LAMPORT), (64, TWOSHOT)):
+        nbytes = rows * 7168 * 2
+        assert config.choose_variant(nbytes, tuning, layout) == LAMPORT
+        blocks = sk.choose_blocks(nbytes, tuning)
+        assert config.fused_variant(rows, 7168, LAMPORT, blocks, tuning, layout) == expected
+    bound = sk.resolve_tuning(4, max_blocks=16, fused_rows_per_block=2)
+    assert config.fused_variant(64, 7168, LAMPORT, 16, bound, layout) == LAMPORT

@@ -14,7 +14,7 @@ from pathlib import Path
 from . import env
 
 # Mirrors of the constants in csrc/sk_api.h.
-ABI_VERSION = 7
+ABI_VERSION = 8
 MAX_RANKS = 8
 MAX_BLOCKS = 128
 THREADS = 512
@@ -39,6 +39,7 @@ DTYPE_BF16 = 0
 DTYPE_FP16 = 1
 VARIANT_ONESHOT = 0
 VARIANT_TWOSHOT = 1
+VARIANT_TWOSHOT_LAMPORT = 2
 FUSED_NONE = 0
 FUSED_RMSNORM = 1
 FUSED_NORM_ONLY = 2

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from . import _lib, env
 
 ENV_ONESHOT_MAX_BYTES = env.ONESHOT_MAX_BYTES
+ENV_TWOSHOT_LAMPORT_MAX_BYTES = env.TWOSHOT_LAMPORT_MAX_BYTES
 ENV_BLOCK_BYTES = env.BLOCK_BYTES
 ENV_MAX_BLOCKS = env.MAX_BLOCKS
 ENV_TIMEOUT_MS = env.TIMEOUT_MS
@@ -69,6 +70,34 @@ def default_oneshot_max_bytes(world_size: int) -> int:
     if world_size <= 2:
         return 4 << 20
     return (256 << 10) // world_size // VECTOR_BYTES * VECTOR_BYTES
+
+
+VARIANT_NAMES = {
+    _lib.VARIANT_ONESHOT: "oneshot",
+    _lib.VARIANT_TWOSHOT: "twoshot",
+    _lib.VARIANT_TWOSHOT_LAMPORT: "twoshot_lamport",
+}
+
+
+def default_twoshot_lamport_max_bytes(world_size: int) -> int:
+    """Largest message the Lamport two-shot takes by default (above the one-shot; the two-shot
+    with flags above it). Its buffers hold 3 x N slots of two chunks: 6 x this many bytes per
+    GPU. 1x H100, ranks as streams, hidden 7168 (benchmark/results/1xH100-2026-12-07c-issue35):
+    against the two-shot with flags it took the all-reduce from 11.1-12.4 to 5.3-8.5 us at 4
+    ranks, 8-64 tokens (up to 896 KiB), and from 15.7-16.6 to 7.2-10.9 at 8 ranks, 4-32 tokens
+    (up to 448 KiB); at 8 ranks and 64 tokens it lost (21.0 against 19.7): there each rank
+    clears 1.75 MiB of its buffers a call, 14 MiB for the 8 ranks on the one GPU, where one
+    GPU per rank clears its own. So 1 MiB up to 4 ranks, 512 KiB at 5-8."""
+    return (1 << 20) if world_size <= 4 else (512 << 10)
+
+
+def twoshot_lamport_fits(nbytes: int, world_size: int, lamport_slot_bytes: int) -> bool:
+    """Whether a message can run the Lamport two-shot (sk_launch's rule, kept in step with it):
+    every rank's chunk is non-empty (each peer must wait for data of every rank in every call,
+    or the buffer rotation is unsafe) and a Lamport slot holds two chunks."""
+    nvec = nbytes // VECTOR_BYTES
+    chunk = math.ceil(nvec / world_size)
+    return (world_size - 1) * chunk < nvec and 2 * chunk * VECTOR_BYTES <= lamport_slot_bytes
 
 
 def env_int(name: str, maximum: int | None = None) -> int | None:
@@ -133,6 +162,9 @@ class Tuning:
     block_bytes: int
     max_blocks: int
     timeout_ms: int
+    # Two-shot messages up to this size run the Lamport two-shot (none where it is at most
+    # oneshot_max_bytes, as in a Tuning built by hand: resolve_tuning sets the default).
+    twoshot_lamport_max_bytes: int = 0
     fused_rows_per_block: int | None = None  # None: the measured default (split_fused)
     # (k, most blocks a row-split grid of k blocks per row may have), for each k in
     # ROW_SPLIT_SIZES (row_split_caps); empty in a Tuning built by hand.
@@ -160,6 +192,7 @@ def resolve_tuning(
     max_blocks: int | None = None,
     timeout_ms: int | None = None,
     fused_rows_per_block: int | None = None,
+    twoshot_lamport_max_bytes: int | None = None,
     resident_blocks: int | None = None,
     resident_clusters: Mapping[int, int] | None = None,
     ranks_per_gpu: int = 1,
@@ -176,6 +209,8 @@ def resolve_tuning(
     check_world_size(world_size)
     oneshot = _setting("oneshot_max_bytes", oneshot_max_bytes, MAX_MESSAGE_BYTES)
     oneshot = oneshot or default_oneshot_max_bytes(world_size)
+    lamport = _setting("twoshot_lamport_max_bytes", twoshot_lamport_max_bytes, MAX_MESSAGE_BYTES)
+    lamport = lamport or default_twoshot_lamport_max_bytes(world_size)
     block = _setting("block_bytes", block_bytes, MAX_MESSAGE_BYTES) or DEFAULT_BLOCK_BYTES
     blocks = _setting("max_blocks", max_blocks, MAX_BLOCKS)
     if blocks is None:
@@ -202,6 +237,7 @@ def resolve_tuning(
     )
     return Tuning(
         oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
+        twoshot_lamport_max_bytes=_round_up(lamport, VECTOR_BYTES),
         block_bytes=_round_up(block, VECTOR_BYTES),
         max_blocks=blocks,
         timeout_ms=timeout,
@@ -216,6 +252,7 @@ ENV_OF_SETTING = {
     "block_bytes": ENV_BLOCK_BYTES,
     "max_blocks": ENV_MAX_BLOCKS,
     "fused_rows_per_block": ENV_FUSED_ROWS_PER_BLOCK,
+    "twoshot_lamport_max_bytes": ENV_TWOSHOT_LAMPORT_MAX_BYTES,
 }
 
 
@@ -245,7 +282,7 @@ def _round_up(value: int, multiple: int) -> int:
 class WorkspaceLayout:
     """Byte layout of one rank's buffer (identical on every rank).
 
-    [flags 32 KiB][control][pad to 40 KiB][one-shot: 3 buffers x world x lamport_slot]
+    [flags 32 KiB][control][pad to 40 KiB][Lamport: 3 buffers x world x lamport_slot]
     [two-shot push: 2 parities x world x slot][gather: max_bytes]
     """
 
@@ -259,19 +296,28 @@ class WorkspaceLayout:
     total_bytes: int
 
 
-def workspace_layout(world_size: int, max_bytes: int, oneshot_max_bytes: int) -> WorkspaceLayout:
+def workspace_layout(
+    world_size: int, max_bytes: int, oneshot_max_bytes: int, twoshot_lamport_max_bytes: int = 0
+) -> WorkspaceLayout:
     """Buffer sizes for messages up to `max_bytes`.
 
-    A one-shot slot holds a whole one-shot message (L = min(O, S)); three rotating buffers of N
-    slots each (Lamport: each is cleared one call after it was read). A two-shot slot holds one
-    rank's reduce-scatter chunk (C = ceil(S / N)), two parities of N slots. Total per GPU:
-    40 KiB + 3 N L + 2 N C + S (about 40 KiB + 3 N L + 3 S).
+    A Lamport slot holds a whole one-shot message, min(O, S), and, where Lamport two-shot
+    messages exist (T > O), two chunks of the largest, 2 ceil(min(T, S) / N): L is the larger
+    of the two. Three rotating buffers of N slots each (each is cleared one call after it was
+    read). A two-shot slot holds one rank's reduce-scatter chunk (C = ceil(S / N)), two parities
+    of N slots. Total per GPU: 40 KiB + 3 N L + 2 N C + S (about 40 KiB + 3 N L + 3 S).
     """
     check_world_size(world_size)
     if max_bytes <= 0 or max_bytes % VECTOR_BYTES:
         raise ValueError(f"max_bytes={max_bytes} must be a positive multiple of {VECTOR_BYTES}")
     chunk_bytes = math.ceil(max_bytes / VECTOR_BYTES / world_size) * VECTOR_BYTES
-    lamport_slot = _round_up(min(oneshot_max_bytes, max_bytes), REGION_ALIGN)
+    lamport_slot = min(oneshot_max_bytes, max_bytes)
+    if twoshot_lamport_max_bytes > oneshot_max_bytes:
+        lamport_chunk = math.ceil(
+            min(twoshot_lamport_max_bytes, max_bytes) / VECTOR_BYTES / world_size
+        )
+        lamport_slot = max(lamport_slot, 2 * lamport_chunk * VECTOR_BYTES)
+    lamport_slot = _round_up(lamport_slot, REGION_ALIGN)
     slot = _round_up(chunk_bytes, REGION_ALIGN)
     push_offset = LAMPORT_OFFSET + _lib.LAMPORT_BUFFERS * world_size * lamport_slot
     gather_offset = push_offset + 2 * world_size * slot
@@ -294,23 +340,34 @@ def workspace_bytes(
     hidden: int,
     element_bytes: int = ELEMENT_BYTES,
     oneshot_max_bytes: int | None = None,
+    twoshot_lamport_max_bytes: int | None = None,
 ) -> int:
     """Bytes each GPU allocates for a workspace sized max_tokens x hidden."""
     oneshot = oneshot_max_bytes or default_oneshot_max_bytes(world_size)
-    return workspace_layout(world_size, max_tokens * hidden * element_bytes, oneshot).total_bytes
+    lamport = twoshot_lamport_max_bytes or default_twoshot_lamport_max_bytes(world_size)
+    max_bytes = max_tokens * hidden * element_bytes
+    return workspace_layout(world_size, max_bytes, oneshot, lamport).total_bytes
 
 
-def choose_variant(nbytes: int, tuning: Tuning) -> int:
-    """One-shot up to oneshot_max_bytes, two-shot above."""
-    return _lib.VARIANT_ONESHOT if nbytes <= tuning.oneshot_max_bytes else _lib.VARIANT_TWOSHOT
+def choose_variant(nbytes: int, tuning: Tuning, layout: WorkspaceLayout) -> int:
+    """One-shot up to oneshot_max_bytes; above, the Lamport two-shot up to
+    twoshot_lamport_max_bytes where the message fits it in this workspace
+    (twoshot_lamport_fits), else the two-shot with flags."""
+    if nbytes <= tuning.oneshot_max_bytes:
+        return _lib.VARIANT_ONESHOT
+    if nbytes <= tuning.twoshot_lamport_max_bytes and twoshot_lamport_fits(
+        nbytes, layout.world_size, layout.lamport_slot_bytes
+    ):
+        return _lib.VARIANT_TWOSHOT_LAMPORT
+    return _lib.VARIANT_TWOSHOT
 
 
 def split_fused(rows: int, blocks: int, tuning: Tuning, variant: int) -> bool:
     """Whether a fused call runs as two launches (all-reduce, then add + RMSNorm with one block
     per row): when a block of the all-reduce grid would own more than `fused_rows_per_block`
-    rows, or, with no bound set, when a one-shot block would own more than
-    ONESHOT_FUSED_ROWS_PER_BLOCK (the two-shot epilogue takes several rows per pass and is
-    never split by default)."""
+    rows, or, with no bound set, when a Lamport (one-shot or two-shot) block would own more
+    than ONESHOT_FUSED_ROWS_PER_BLOCK (their epilogue takes one row at a time; the two-shot
+    epilogue takes several rows per pass and is never split by default)."""
     bound = tuning.fused_rows_per_block
     if bound is None:
         if variant == _lib.VARIANT_TWOSHOT:
@@ -335,18 +392,22 @@ def twoshot_row_pieces(
 def fused_variant(
     rows: int, hidden: int, variant: int, blocks: int, tuning: Tuning, layout: WorkspaceLayout
 ) -> int:
-    """The variant of a fused call whose variant was left to the size (choose_variant): two-shot
-    where the one-shot call would split into two launches (split_fused, and no row split takes
-    it in one: row_blocks) and a two-shot call takes whole-row pieces, one launch instead of an
-    all-reduce and a norm launch that reads the sum again. 1x H200, ranks as streams, world 2,
-    256 tokens x 7168 (66 blocks): 18.6-18.9 us against 23.1 split (all-reduce + separate
-    norm: 22.2-22.3). A fused_rows_per_block bound the user set keeps the split as it asks."""
+    """The variant of a fused call whose variant was left to the size (choose_variant): the
+    two-shot with flags where a Lamport call (one-shot or two-shot) would split into two
+    launches (split_fused, and no row split takes it in one: row_blocks), one launch instead of
+    an all-reduce and a norm launch that reads the sum again; from the one-shot only where the
+    two-shot call takes whole-row pieces. 1x H200, ranks as streams, world 2, 256 tokens x 7168
+    (66 blocks): 18.6-18.9 us against 23.1 split (all-reduce + separate norm: 22.2-22.3). A
+    fused_rows_per_block bound the user set keeps the split as it asks."""
     if (
-        variant == _lib.VARIANT_ONESHOT
+        variant != _lib.VARIANT_TWOSHOT
         and tuning.fused_rows_per_block is None
         and split_fused(rows, blocks, tuning, variant)
         and row_blocks(rows, hidden, variant, tuning) == 1
-        and twoshot_row_pieces(rows, hidden, layout.world_size, blocks, layout.slot_bytes)
+        and (
+            variant == _lib.VARIANT_TWOSHOT_LAMPORT
+            or twoshot_row_pieces(rows, hidden, layout.world_size, blocks, layout.slot_bytes)
+        )
     ):
         return _lib.VARIANT_TWOSHOT
     return variant
@@ -385,8 +446,8 @@ def row_split_caps(
 
 
 def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
-    """Blocks per row of a fused one-shot call (one thread-block cluster per row), 1 for the
-    one-block-per-row epilogue.
+    """Blocks per row of a fused Lamport call, one-shot or two-shot (one thread-block cluster
+    per row), 1 for the one-block-per-row epilogue.
 
     One block reducing a whole row is what made the fused call ~2 us slower than the plain
     all-reduce at 1-16 tokens (1x H200, ranks as streams): the plain one spreads the same
@@ -396,7 +457,7 @@ def row_blocks(rows: int, hidden: int, variant: int, tuning: Tuning) -> int:
     2 would. Powers of two only: 1x H200, world 2, 16 tokens in 3 slices of 299 vectors took
     5.3 us, in 2 slices of 448 4.8 (two device calls), with the clusters of 3 fitting.
     """
-    if variant != _lib.VARIANT_ONESHOT:
+    if variant == _lib.VARIANT_TWOSHOT:
         return 1
     row_vecs = hidden * ELEMENT_BYTES // VECTOR_BYTES
     wanted = math.ceil(row_vecs / ROW_SLICE_VECTORS)

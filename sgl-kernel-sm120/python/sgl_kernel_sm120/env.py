@@ -25,6 +25,7 @@ MAX_BLOCKS = "SGLANG_SM120_MAX_BLOCKS"
 ONESHOT_MAX_BYTES = "SGLANG_SM120_ONESHOT_MAX_BYTES"
 FUSED_ROWS_PER_BLOCK = "SGLANG_SM120_FUSED_ROWS_PER_BLOCK"  # new with this name: no old one
 PDL = "SGLANG_SM120_PDL"  # new with this name: no old one
+TWOSHOT_LAMPORT_MAX_BYTES = "SGLANG_SM120_TWOSHOT_LAMPORT_MAX_BYTES"  # new: no old one
 
 
 def _old_names(suffix: str) -> tuple[str, str]:

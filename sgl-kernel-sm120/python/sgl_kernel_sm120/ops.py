@@ -15,7 +15,12 @@ from .errors import InputTooLargeError
 from .workspace import CommWorkspace, get_workspace
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-_VARIANTS = {None: -1, "oneshot": _lib.VARIANT_ONESHOT, "twoshot": _lib.VARIANT_TWOSHOT}
+_VARIANTS = {
+    None: -1,
+    "oneshot": _lib.VARIANT_ONESHOT,
+    "twoshot": _lib.VARIANT_TWOSHOT,
+    "twoshot_lamport": _lib.VARIANT_TWOSHOT_LAMPORT,
+}
 _ELEMS_PER_VECTOR = VECTOR_BYTES // 2
 
 
@@ -153,14 +158,15 @@ def _variant_code(variant: str | None) -> int:
         return _VARIANTS[variant]
     except KeyError:
         raise ValueError(
-            f"variant {variant!r} unknown: None (by size), 'oneshot', 'twoshot'"
+            f"variant {variant!r} unknown: None (by size), 'oneshot', 'twoshot', 'twoshot_lamport'"
         ) from None
 
 
 def all_reduce(inp: torch.Tensor, ws: CommWorkspace, *, variant: str | None = None) -> torch.Tensor:
     """Sum of `inp` over the workspace's ranks, as a new tensor (input untouched).
 
-    variant None picks by size (one-shot up to ws.tuning.oneshot_max_bytes, two-shot above);
+    variant None picks by size (one-shot up to ws.tuning.oneshot_max_bytes, the Lamport
+    two-shot up to ws.tuning.twoshot_lamport_max_bytes, the two-shot with flags above);
     every rank must pass the same. Raises InputTooLargeError beyond the workspace's max_bytes.
     """
     return torch.ops.sgl_kernel_sm120.all_reduce(inp, ws.id, _variant_code(variant))

@@ -26,6 +26,7 @@ from .config import (
     CONTROL_OFFSET,
     ELEMENT_BYTES,
     ROW_SPLIT_SIZES,
+    VARIANT_NAMES,
     Tuning,
     WorkspaceLayout,
     check_world_size,
@@ -35,12 +36,13 @@ from .config import (
     resolve_tuning,
     row_blocks,
     split_fused,
+    twoshot_lamport_fits,
     workspace_layout,
 )
 from .errors import CommTimeoutError, WorkspaceError
 
 _DTYPE_CODES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
-_VARIANT_NAMES = {_lib.VARIANT_ONESHOT: "oneshot", _lib.VARIANT_TWOSHOT: "twoshot"}
+_VARIANT_NAMES = VARIANT_NAMES
 _PHASES = {0: "push / reduce-scatter", 1: "all-gather"}
 
 _registry: dict[int, CommWorkspace] = {}
@@ -177,6 +179,7 @@ class CommWorkspace:
         device: torch.device | int | str | None = None,
         *,
         oneshot_max_bytes: int | None = None,
+        twoshot_lamport_max_bytes: int | None = None,
         block_bytes: int | None = None,
         max_blocks: int | None = None,
         timeout_ms: int | None = None,
@@ -196,6 +199,7 @@ class CommWorkspace:
         tuning = resolve_tuning(
             world_size,
             oneshot_max_bytes=oneshot_max_bytes,
+            twoshot_lamport_max_bytes=twoshot_lamport_max_bytes,
             block_bytes=block_bytes,
             max_blocks=max_blocks,
             timeout_ms=timeout_ms,
@@ -205,7 +209,9 @@ class CommWorkspace:
             resident_clusters=_resident_clusters(device.index),
             ranks_per_gpu=world_size,
         )
-        layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
+        layout = workspace_layout(
+            world_size, max_bytes, tuning.oneshot_max_bytes, tuning.twoshot_lamport_max_bytes
+        )
         buffers = [_alloc(device.index, layout) for _ in range(world_size)]
         return [
             cls(
@@ -233,6 +239,7 @@ class CommWorkspace:
         device: torch.device | int | str | None = None,
         *,
         oneshot_max_bytes: int | None = None,
+        twoshot_lamport_max_bytes: int | None = None,
         block_bytes: int | None = None,
         max_blocks: int | None = None,
         timeout_ms: int | None = None,
@@ -272,6 +279,7 @@ class CommWorkspace:
             tuning = resolve_tuning(
                 world_size,
                 oneshot_max_bytes=oneshot_max_bytes,
+                twoshot_lamport_max_bytes=twoshot_lamport_max_bytes,
                 block_bytes=block_bytes,
                 max_blocks=max_blocks,
                 timeout_ms=timeout_ms,
@@ -283,7 +291,9 @@ class CommWorkspace:
                 },
                 ranks_per_gpu=ranks_per_gpu,
             )
-            layout = workspace_layout(world_size, max_bytes, tuning.oneshot_max_bytes)
+            layout = workspace_layout(
+                world_size, max_bytes, tuning.oneshot_max_bytes, tuning.twoshot_lamport_max_bytes
+            )
             settings = _shared_settings(max_bytes, tuning, layout)
         except Exception as exc:
             error = f"rank {rank}: {exc}"
@@ -456,13 +466,22 @@ class CommWorkspace:
     def plan(self, nbytes: int, variant: int = -1) -> tuple[int, int]:
         """(variant, blocks) this workspace uses for a message of nbytes; variant -1 = auto."""
         if variant < 0:
-            variant = choose_variant(nbytes, self.tuning)
+            variant = choose_variant(nbytes, self.tuning, self.layout)
         elif variant not in _VARIANT_NAMES:
             raise ValueError(f"variant {variant} unknown: {_VARIANT_NAMES}")
         if variant == _lib.VARIANT_ONESHOT and nbytes > self.layout.lamport_slot_bytes:
             raise ValueError(
                 f"one-shot needs the message ({nbytes} bytes) to fit a one-shot slot "
                 f"({self.layout.lamport_slot_bytes} bytes): raise oneshot_max_bytes at creation"
+            )
+        if variant == _lib.VARIANT_TWOSHOT_LAMPORT and not twoshot_lamport_fits(
+            nbytes, self.world_size, self.layout.lamport_slot_bytes
+        ):
+            raise ValueError(
+                f"the Lamport two-shot needs every rank's chunk of the message ({nbytes} bytes) "
+                f"non-empty and two chunks to fit a Lamport slot "
+                f"({self.layout.lamport_slot_bytes} bytes): raise twoshot_lamport_max_bytes "
+                "at creation"
             )
         return variant, choose_blocks(nbytes, self.tuning)
 
@@ -539,6 +558,7 @@ def _shared_settings(
         ("kernel ABI", _lib.ABI_VERSION),
         ("max_bytes", max_bytes),
         ("oneshot_max_bytes", tuning.oneshot_max_bytes),
+        ("twoshot_lamport_max_bytes", tuning.twoshot_lamport_max_bytes),
         ("block_bytes", tuning.block_bytes),
         ("max_blocks", tuning.max_blocks),
         ("fused_rows_per_block", tuning.fused_rows_per_block),
