@@ -339,7 +339,7 @@ def test_row_split_grids_fit_the_clusters_this_gpu_holds_beside_the_other_ranks(
     try:
         tuning = ranks.workspaces[0].tuning
         for k, n in clusters.items():
-            bound = min(tuning.max_blocks, config.MAX_ROW_SPLIT_BLOCKS, n // world_size * k)
+            bound = min(config.DEFAULT_MAX_BLOCKS, config.MAX_ROW_SPLIT_BLOCKS, n // world_size * k)
             assert tuning.row_split_cap(k) == bound, (k, n, tuning)
         for tokens in (1, 2, 4, 8, 16, 32, 64):
             per_row = config.row_blocks(tokens, 7168, _lib.VARIANT_ONESHOT, tuning)

@@ -294,6 +294,24 @@ def test_row_split_is_bounded_by_the_clusters_the_gpu_holds_beside_the_other_ran
     assert config.row_blocks(8, 7168, _lib.VARIANT_ONESHOT, tuning) == 1  # 16 > 8 in pairs
     alone = sk.resolve_tuning(2, resident_clusters=clusters, ranks_per_gpu=1)
     assert config.row_blocks(8, 7168, _lib.VARIANT_ONESHOT, alone) == 4  # 32 of 32
+    # The clusters bound the row split's grid, not the cap of 512-thread blocks: four ranks on
+    # a GPU holding 132 of those (33 each) and 66 clusters of two 256-thread blocks (16 of
+    # them each, 32 blocks) split 32 rows in two (64 blocks) where 33 blocks could not; a cap
+    # the user set still holds.
+    shared = sk.resolve_tuning(
+        4, resident_blocks=132, resident_clusters={2: 132, 4: 60, 8: 28}, ranks_per_gpu=4
+    )
+    assert shared.max_blocks == 33 and shared.row_split_cap(2) == 64
+    assert config.row_blocks(32, 7168, _lib.VARIANT_ONESHOT, shared) == 2
+    capped = sk.resolve_tuning(
+        4,
+        max_blocks=33,
+        resident_blocks=132,
+        resident_clusters={2: 132, 4: 60, 8: 28},
+        ranks_per_gpu=4,
+    )
+    assert capped.row_split_cap(2) == 33
+    assert config.row_blocks(32, 7168, _lib.VARIANT_ONESHOT, capped) == 1
     # No cluster of the size fits at all: that size is never chosen (nor 3: powers of two).
     none_of_4 = {**clusters, 4: 0}
     tuning = sk.resolve_tuning(2, resident_clusters=none_of_4, ranks_per_gpu=1)

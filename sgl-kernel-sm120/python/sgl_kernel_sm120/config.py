@@ -204,7 +204,7 @@ def resolve_tuning(
     share one GPU (`resident_blocks` is what one GPU holds): the kernels spin on their peers,
     so a rank whose blocks cannot be scheduled would stall everyone until the timeout.
     `resident_clusters` (cluster size -> clusters the GPU holds at once) bounds the row split
-    the same way (row_split_caps).
+    the same way (row_split_caps), in place of the default cap.
     """
     check_world_size(world_size)
     oneshot = _setting("oneshot_max_bytes", oneshot_max_bytes, MAX_MESSAGE_BYTES)
@@ -212,7 +212,7 @@ def resolve_tuning(
     lamport = _setting("twoshot_lamport_max_bytes", twoshot_lamport_max_bytes, MAX_MESSAGE_BYTES)
     lamport = lamport or default_twoshot_lamport_max_bytes(world_size)
     block = _setting("block_bytes", block_bytes, MAX_MESSAGE_BYTES) or DEFAULT_BLOCK_BYTES
-    blocks = _setting("max_blocks", max_blocks, MAX_BLOCKS)
+    requested_blocks = blocks = _setting("max_blocks", max_blocks, MAX_BLOCKS)
     if blocks is None:
         blocks = DEFAULT_MAX_BLOCKS
         if resident_blocks is not None:
@@ -235,6 +235,12 @@ def resolve_tuning(
     rows_per_block = _setting(
         "fused_rows_per_block", fused_rows_per_block, MAX_FUSED_ROWS_PER_BLOCK
     )
+    # The row split's 256-thread blocks fit two an SM: where the clusters that fit at once are
+    # known, they bound its grid (row_split_caps), not the default cap, which is what fits of
+    # the other kernels' 512-thread blocks. A cap the user set holds for every grid.
+    row_grid = blocks
+    if requested_blocks is None and resident_clusters is not None:
+        row_grid = DEFAULT_MAX_BLOCKS
     return Tuning(
         oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
         twoshot_lamport_max_bytes=_round_up(lamport, VECTOR_BYTES),
@@ -242,7 +248,7 @@ def resolve_tuning(
         max_blocks=blocks,
         timeout_ms=timeout,
         fused_rows_per_block=rows_per_block,
-        row_split_blocks=row_split_caps(blocks, resident_clusters, ranks_per_gpu),
+        row_split_blocks=row_split_caps(row_grid, resident_clusters, ranks_per_gpu),
         early_launch=resolve_early_launch(early_launch),
     )
 
@@ -420,10 +426,10 @@ MAX_ROW_SLICE_VECTORS = 512  # and at most this many (the kernel's 256 threads x
 # 1x H200, ranks as streams, world 2, hidden 7168: split rows won up to 64 blocks (32 tokens
 # in 2 slices: 4.8 us against 6.2 with a block per row), where the clusters fit at once. That
 # was with 512-thread blocks; in 256-thread blocks 32 tokens in 2 slices took 5.3 us (1x
-# H100). A cap of 128 changed no measured plan there, two ranks on one GPU: the grid cap (66)
-# and the clusters of 4 that fit (31 a rank) bind first (benchmark/results/
-# 1xH100-2026-12-07b-issue35). On one GPU per rank it would allow 32 tokens in 4 slices,
-# which is unmeasured.
+# H100). A cap of 128 changed no measured plan there, two ranks on one GPU: the grid cap (66,
+# which bounded the row split then) and the clusters of 4 that fit (31 a rank) bound it first
+# (benchmark/results/1xH100-2026-12-07b-issue35); the clusters alone still would (124 blocks).
+# On one GPU per rank it would allow 32 tokens in 4 slices, which is unmeasured.
 MAX_ROW_SPLIT_BLOCKS = 64
 
 
