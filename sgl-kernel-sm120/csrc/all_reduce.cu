@@ -898,6 +898,21 @@ __device__ bool sum_arrived(float (&acc)[8], const SkLaunchParams& p, Shared& sh
 // (the fused Lamport two-shot's gather; the one-shot never writes it).
 constexpr uint32_t kDirtyOwnSlot = 0x80000000u;
 
+// This call's buffer and the one it clears; the negative control (SK_DEBUG_SINGLE_BUFFER)
+// keeps buffer 0 and never clears.
+struct LamportBuffers {
+  bool single;
+  int current, previous;
+};
+
+__device__ __forceinline__ LamportBuffers lamport_buffers(const SkLaunchParams& p,
+                                                          const uint32_t (&state)[SK_STATE_WORDS]) {
+  const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
+  const int current =
+      single ? 0 : static_cast<int>(state[kStateOneshotBuffer] % SK_LAMPORT_BUFFERS);
+  return {single, current, (current + SK_LAMPORT_BUFFERS - 1) % SK_LAMPORT_BUFFERS};
+}
+
 __device__ __forceinline__ uint32_t dirty_word(const uint32_t (&state)[SK_STATE_WORDS],
                                                int buffer) {
   uint32_t word = 0;
@@ -988,10 +1003,8 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
   constexpr int kThreads = block_threads(kRowSplit);
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
   const int nblocks = gridDim.x;
-  const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
-  const int current =
-      single ? 0 : static_cast<int>(state[kStateOneshotBuffer] % SK_LAMPORT_BUFFERS);
-  const int previous = (current + SK_LAMPORT_BUFFERS - 1) % SK_LAMPORT_BUFFERS;
+  const LamportBuffers buffers = lamport_buffers(p, state);
+  const int current = buffers.current, previous = buffers.previous;
   const int64_t nvec = p.numel / kVecElems;
   const int64_t slot_vecs = p.lamport_slot_bytes / 16;
   const int64_t buffer_vecs = static_cast<int64_t>(world) * slot_vecs;
@@ -1023,7 +1036,7 @@ __device__ void run_oneshot(const KernelParams& p, Shared& sh, uint32_t (&state)
   // Clear the previous buffer while peers' data of this call is on its way (see
   // clear_previous_buffer; clear_roles for who clears).
   uint4* own = static_cast<uint4*>(p.lamport_from[0]);
-  if (!single) {
+  if (!buffers.single) {
     const uint32_t previous_word = dirty_word(state, previous);
     const ClearRoles roles = clear_roles<kThreads>(per_block, previous_word, nblocks);
     clear_previous_buffer(p, own + previous * buffer_vecs, slot_vecs, previous_word, roles);
@@ -1077,10 +1090,8 @@ __device__ void run_twoshot_lamport(const KernelParams& p, Shared& sh,
                                     uint32_t (&state)[SK_STATE_WORDS], uint64_t epoch) {
   constexpr int kThreads = block_threads(kRowSplit);
   const int world = p.world_size, rank = p.rank, t = threadIdx.x;
-  const bool single = (p.debug_flags & SK_DEBUG_SINGLE_BUFFER) != 0;
-  const int current =
-      single ? 0 : static_cast<int>(state[kStateOneshotBuffer] % SK_LAMPORT_BUFFERS);
-  const int previous = (current + SK_LAMPORT_BUFFERS - 1) % SK_LAMPORT_BUFFERS;
+  const LamportBuffers buffers = lamport_buffers(p, state);
+  const int current = buffers.current, previous = buffers.previous;
   const int64_t nvec = p.numel / kVecElems;
   const int64_t slot_vecs = p.lamport_slot_bytes / 16;
   const int64_t buffer_vecs = static_cast<int64_t>(world) * slot_vecs;
@@ -1114,7 +1125,7 @@ __device__ void run_twoshot_lamport(const KernelParams& p, Shared& sh,
   stamp(p, 2);
 
   const uint32_t written = static_cast<uint32_t>(2 * chunk) | (kFused ? kDirtyOwnSlot : 0u);
-  if (!single) {
+  if (!buffers.single) {
     const uint32_t previous_word = dirty_word(state, previous);
     // The same count in every block, so that the blocks' clearers tile the buffer.
     const ClearRoles roles = clear_roles<kThreads>(p.twoshot_piece, previous_word, gridDim.x);
