@@ -15,12 +15,15 @@
 #       benchmark/ab_kernels.sh as above, this kernel with the row split's caps of this round
 #       (newcaps: the clusters that fit bound them) and as before (oldcaps.py: the default
 #       block cap too), TOKENS (default 1 4 8 16 32 64)
+#   bash benchmark/results/1xH100-2026-12-07c-issue35/run.sh prefetch OUT
+#       this kernel against .out/variants/prefetch.cu at 4 and 8 ranks, TOKENS (default 16 32
+#       64), then the Lamport two-shot's and the early-launch tests with the latter
 #   bash benchmark/results/1xH100-2026-12-07c-issue35/run.sh tests OUT
 #       all of test/gpu with this checkout's kernel required
 # Each step writes its output under OUT and packs it as OUT/<step>.tar.gz.
 set -uo pipefail
-STEP=${1:?usage: run.sh smoke|ab|caps|tests OUT}
-OUT=$(realpath -m "${2:?usage: run.sh smoke|ab|caps|tests OUT}")
+STEP=${1:?usage: run.sh smoke|ab|caps|prefetch|tests OUT}
+OUT=$(realpath -m "${2:?usage: run.sh smoke|ab|caps|prefetch|tests OUT}")
 mkdir -p "$OUT/$STEP"
 trap 'tar -C "$OUT" -czf "$OUT/$STEP.tar.gz" "$STEP"' EXIT
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
@@ -61,10 +64,24 @@ caps)
     --tokens ${TOKENS:-1 4 8 16 32 64} > "$OUT/$STEP/ab-log.txt" 2>&1
   tail -n 25 "$OUT/$STEP/ab-log.txt"
   ;;
+prefetch)
+  # .out/variants/prefetch.cu: the fused Lamport two-shot's block-per-row epilogue issues a
+  # first load of each of its vectors with the residual and weight loads, then polls
+  # (prefetch/prefetch.patch, on 68a9ad4's all_reduce.cu).
+  AB_WORK=/tmp/pf ROUNDS=${ROUNDS:-2} bash benchmark/ab_kernels.sh "$OUT/$STEP" \
+    current=sgl-kernel-sm120/csrc/all_reduce.cu prefetch=.out/variants/prefetch.cu -- \
+    --mode local --skip-baselines --world-sizes 4 8 --tokens ${TOKENS:-16 32 64} \
+    > "$OUT/$STEP/ab-log.txt" 2>&1
+  tail -n 12 "$OUT/$STEP/ab-log.txt"
+  SGLANG_SM120_KERNEL_LIBRARY=/tmp/pf/prefetch.so SGLANG_SM120_KERNEL_REQUIRED=1 timeout 200 \
+    python3 -m pytest -q -p no:cacheprovider test/gpu/test_sgl_kernel_allreduce.py \
+    test/gpu/test_sgl_kernel_early_launch.py -k "twoshot_lamport or early_launch" 2>&1 \
+    | tail -n 4 | tee "$OUT/$STEP/gpu-prefetch.txt"
+  ;;
 tests)
   build || exit 1
   SGLANG_SM120_KERNEL_LIBRARY=$lib SGLANG_SM120_KERNEL_REQUIRED=1 \
     python3 -m pytest -q -p no:cacheprovider test/gpu 2>&1 | tail -n 40 | tee "$OUT/$STEP/gpu.txt"
   ;;
-*) echo "unknown step $STEP (smoke, ab, caps or tests)"; exit 2 ;;
+*) echo "unknown step $STEP (smoke, ab, caps, prefetch or tests)"; exit 2 ;;
 esac
