@@ -80,14 +80,15 @@ VARIANT_NAMES = {
 
 
 def default_twoshot_lamport_max_bytes(world_size: int) -> int:
-    """Largest message the Lamport two-shot takes by default (above the one-shot; the two-shot
-    with flags above it). Its buffers hold 3 x N slots of two chunks: 6 x this many bytes per
-    GPU. 1x H100, ranks as streams, hidden 7168 (benchmark/results/1xH100-2026-12-07c-issue35):
-    against the two-shot with flags it took the all-reduce from 11.1-12.4 to 5.3-8.5 us at 4
-    ranks, 8-64 tokens (up to 896 KiB), and from 15.7-16.6 to 7.2-10.9 at 8 ranks, 4-32 tokens
-    (up to 448 KiB); at 8 ranks and 64 tokens it lost (21.0 against 19.7): there each rank
-    clears 1.75 MiB of its buffers a call, 14 MiB for the 8 ranks on the one GPU, where one
-    GPU per rank clears its own. So 1 MiB up to 4 ranks, 512 KiB at 5-8."""
+    """Largest message the Lamport two-shot takes by default (above the one-shot, which at 2
+    ranks covers these sizes; the two-shot with flags above it). Its buffers hold 3 x N slots
+    of two chunks: up to 6 x this many bytes per GPU. 1x H100, ranks as streams, hidden 7168
+    (benchmark/results/1xH100-2026-12-07c-issue35): against the two-shot with flags it took the
+    all-reduce from 11.1-12.4 to 5.3-8.5 us at 4 ranks, 8-64 tokens (up to 896 KiB), and from
+    15.7-16.5 to 7.2-10.9 at 8 ranks, 4-32 tokens (up to 448 KiB); at 8 ranks and 64 tokens it
+    lost (21.0 against 19.7): there each rank clears 1.53 MiB of its buffers a call, 12.25 MiB
+    for the 8 ranks on the one GPU, where one GPU per rank clears its own. So 1 MiB up to 4
+    ranks, 512 KiB at 5-8."""
     return (1 << 20) if world_size <= 4 else (512 << 10)
 
 
