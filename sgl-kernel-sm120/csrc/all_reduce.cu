@@ -791,13 +791,6 @@ __device__ bool add_rmsnorm_reduced_rows(const KernelParams& p, Shared& sh, cons
   return true;
 }
 
-// Polls entry `index` of the slots of ranks [0, polled) other than this one (this rank's
-// receive buffer of this call) until no lane of any is empty, into u; the other entries hold
-// `mine`, which is sendable, so never empty. False when the wait timed out (or another thread
-// of the block gave up), after recording who was missing (`kind`: which phase; see
-// wait_bound). One predicated
-// load per peer: at verify sizes the poll's instructions are its cost. Each re-poll checks
-// slots 0-3 without a guard and 4-7 behind one uniform branch (polled > 4).
 constexpr int kLowSlots = SK_MAX_RANKS / 2;  // poll_arrived: slots checked without a guard
 
 // How long a Lamport wait may last. A wait for gathered data (the Lamport two-shot's second
@@ -809,6 +802,13 @@ __device__ __forceinline__ uint64_t wait_bound(const SkLaunchParams& p, int kind
   return kind == kKindGather ? 2 * p.timeout_ns : p.timeout_ns;
 }
 
+// Polls entry `index` of the slots of ranks [0, polled) other than this one (this rank's
+// receive buffer of this call) until no lane of any is empty, into u; the other entries hold
+// `mine`, which is sendable, so never empty. False when the wait timed out (or another thread
+// of the block gave up), after recording who was missing (`kind`: which phase; see
+// wait_bound). One predicated load per peer: at verify sizes the poll's instructions are its
+// cost. Each re-poll checks slots 0-3 without a guard and 4-7 behind one uniform branch
+// (polled > 4).
 __device__ __forceinline__ bool poll_arrived(uint4 (&u)[SK_MAX_RANKS], const SkLaunchParams& p,
                                              Shared& sh, const uint4* slots, int64_t slot_vecs,
                                              int64_t index, const uint4& mine, int polled,
@@ -1323,9 +1323,8 @@ __global__ void __launch_bounds__(SK_THREADS, 2) add_rmsnorm_kernel(const Kernel
 // kernel's active warp cycles (FlashInfer's fused kernel: 1.6%); the split did not move the
 // graph-timed call time beyond run-to-run noise (README, "Measured").
 // kRowSplit: a fused Lamport kernel (one-shot or two-shot) launched as one cluster per row
-// (row_blocks > 1), in
-// blocks of kRowSplitThreads; its own instantiation, as both epilogues in one kernel exceed 128
-// registers and spill.
+// (row_blocks > 1), in blocks of kRowSplitThreads; its own instantiation, as both epilogues in
+// one kernel exceed 128 registers and spill.
 // kPieces: the two-shot fused kernel in whole-row pieces (run_twoshot).
 template <typename T, int kVariant, bool kFused, bool kRowSplit = false, bool kPieces = false>
 __global__ void __launch_bounds__(block_threads(kRowSplit), kRowSplit ? 2 : 1)
