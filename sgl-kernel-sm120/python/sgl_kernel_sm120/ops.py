@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _lib
-from .config import MAX_HIDDEN, MAX_TOKENS, VECTOR_BYTES
+from .config import MAX_HIDDEN, MAX_TOKENS, VARIANT_NAMES, VECTOR_BYTES
 from .errors import InputTooLargeError
 from .workspace import CommWorkspace, get_workspace
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-_VARIANTS = {
-    None: -1,
-    "oneshot": _lib.VARIANT_ONESHOT,
-    "twoshot": _lib.VARIANT_TWOSHOT,
-    "twoshot_lamport": _lib.VARIANT_TWOSHOT_LAMPORT,
-}
+_VARIANTS = {None: -1, **{name: code for code, name in VARIANT_NAMES.items()}}
 _ELEMS_PER_VECTOR = VECTOR_BYTES // 2
 
 
@@ -157,9 +151,8 @@ def _variant_code(variant: str | None) -> int:
     try:
         return _VARIANTS[variant]
     except KeyError:
-        raise ValueError(
-            f"variant {variant!r} unknown: None (by size), 'oneshot', 'twoshot', 'twoshot_lamport'"
-        ) from None
+        names = ", ".join(repr(name) for name in VARIANT_NAMES.values())
+        raise ValueError(f"variant {variant!r} unknown: None (by size), {names}") from None
 
 
 def all_reduce(inp: torch.Tensor, ws: CommWorkspace, *, variant: str | None = None) -> torch.Tensor:

@@ -42,7 +42,6 @@ from .config import (
 from .errors import CommTimeoutError, WorkspaceError
 
 _DTYPE_CODES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
-_VARIANT_NAMES = VARIANT_NAMES
 _PHASES = {0: "push / reduce-scatter", 1: "all-gather"}
 
 _registry: dict[int, CommWorkspace] = {}
@@ -467,8 +466,8 @@ class CommWorkspace:
         """(variant, blocks) this workspace uses for a message of nbytes; variant -1 = auto."""
         if variant < 0:
             variant = choose_variant(nbytes, self.tuning, self.layout)
-        elif variant not in _VARIANT_NAMES:
-            raise ValueError(f"variant {variant} unknown: {_VARIANT_NAMES}")
+        elif variant not in VARIANT_NAMES:
+            raise ValueError(f"variant {variant} unknown: {VARIANT_NAMES}")
         if variant == _lib.VARIANT_ONESHOT and nbytes > self.layout.lamport_slot_bytes:
             raise ValueError(
                 f"one-shot needs the message ({nbytes} bytes) to fit a one-shot slot "
@@ -539,7 +538,7 @@ class CommWorkspace:
         lib = _lib.lib()
         _lib.check(
             lib.sk_launch(ctypes.byref(p), self.device.index, stream),
-            f"launch ({_VARIANT_NAMES[variant]}, {blocks} blocks)",
+            f"launch ({VARIANT_NAMES[variant]}, {blocks} blocks)",
         )
         if norm is not None:
             _lib.check(
