@@ -235,6 +235,21 @@ def test_ipc_workspace_sizes_follow_the_upstream_layouts():
     assert ipc_workspace_bytes(tp=2, hidden=7168)["need"] < sizes["need"]
 
 
+def test_the_sm120_workspace_size_follows_the_bounds_a_server_reads(monkeypatch):
+    """A one-shot bound raised through the environment grows the workspace every server rank
+    allocates (3 N slots of the bound), so the BAR1 check must count it."""
+    config = pytest.importorskip("sgl_kernel_sm120.config")
+    monkeypatch.delenv("SGLANG_SM120_ONESHOT_MAX_BYTES", raising=False)
+    default = ipc_workspace_bytes(tp=8, hidden=7168, decode_rows=256)["sm120_pcie"]
+    monkeypatch.setenv("SGLANG_SM120_ONESHOT_MAX_BYTES", str(2 << 20))
+    raised = ipc_workspace_bytes(tp=8, hidden=7168, decode_rows=256)
+    tuning = config.resolve_tuning(8)
+    layout = config.workspace_layout(
+        8, 256 * 7168 * 2, tuning.oneshot_max_bytes, tuning.twoshot_lamport_max_bytes
+    )
+    assert raised["sm120_pcie"] == layout.total_bytes > default + 3 * 8 * (1 << 20)
+
+
 # ---- issue 26.3: a source that cannot be read is "unknown", never "off"
 
 

@@ -51,6 +51,32 @@ def test_workspace_bytes_at_8_ranks_256_tokens_hidden_7168_is_about_13_5_mib():
     assert sk.workspace_bytes(8, 256, 7168) == 14_196_736
 
 
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [(env.ONESHOT_MAX_BYTES, 256 * KIB), (env.TWOSHOT_LAMPORT_MAX_BYTES, 1 * MIB)],
+)
+def test_workspace_bytes_read_the_bounds_from_the_environment_as_the_workspace_does(
+    monkeypatch, variable, value
+):
+    """doctor's memory estimate (workspace_bytes) must size the workspace a server with these
+    variables would allocate; it kept the defaults before."""
+    default = sk.workspace_bytes(8, 256, 7168)
+    monkeypatch.setenv(variable, str(value))
+    tuning = config.resolve_tuning(8)
+    allocated = sk.workspace_layout(
+        8, 256 * 7168 * 2, tuning.oneshot_max_bytes, tuning.twoshot_lamport_max_bytes
+    ).total_bytes
+    assert sk.workspace_bytes(8, 256, 7168) == allocated > default
+
+
+def test_workspace_bytes_refuse_a_bound_the_workspace_refuses(monkeypatch):
+    monkeypatch.setenv(env.ONESHOT_MAX_BYTES, str(config.MAX_MESSAGE_BYTES + 16))
+    with pytest.raises(ValueError, match="ONESHOT_MAX_BYTES"):
+        config.resolve_tuning(8)
+    with pytest.raises(ValueError, match="ONESHOT_MAX_BYTES"):
+        sk.workspace_bytes(8, 256, 7168)
+
+
 @pytest.mark.parametrize(("world_size", "bound"), [(2, 1 * MIB), (4, 1 * MIB), (8, 512 * KIB)])
 def test_default_lamport_two_shot_bounds(world_size, bound):
     assert config.default_twoshot_lamport_max_bytes(world_size) == bound

@@ -208,10 +208,9 @@ def resolve_tuning(
     the same way (row_split_caps), in place of the default cap.
     """
     check_world_size(world_size)
-    oneshot = _setting("oneshot_max_bytes", oneshot_max_bytes, MAX_MESSAGE_BYTES)
-    oneshot = oneshot or default_oneshot_max_bytes(world_size)
-    lamport = _setting("twoshot_lamport_max_bytes", twoshot_lamport_max_bytes, MAX_MESSAGE_BYTES)
-    lamport = lamport or default_twoshot_lamport_max_bytes(world_size)
+    oneshot, lamport = resolve_lamport_bounds(
+        world_size, oneshot_max_bytes, twoshot_lamport_max_bytes
+    )
     block = _setting("block_bytes", block_bytes, MAX_MESSAGE_BYTES) or DEFAULT_BLOCK_BYTES
     requested_blocks = blocks = _setting("max_blocks", max_blocks, MAX_BLOCKS)
     if blocks is None:
@@ -243,8 +242,8 @@ def resolve_tuning(
     if requested_blocks is None and resident_clusters is not None:
         row_grid = DEFAULT_MAX_BLOCKS
     return Tuning(
-        oneshot_max_bytes=_round_up(oneshot, VECTOR_BYTES),
-        twoshot_lamport_max_bytes=_round_up(lamport, VECTOR_BYTES),
+        oneshot_max_bytes=oneshot,
+        twoshot_lamport_max_bytes=lamport,
         block_bytes=_round_up(block, VECTOR_BYTES),
         max_blocks=blocks,
         timeout_ms=timeout,
@@ -252,6 +251,19 @@ def resolve_tuning(
         row_split_blocks=row_split_caps(row_grid, resident_clusters, ranks_per_gpu),
         early_launch=resolve_early_launch(early_launch),
     )
+
+
+def resolve_lamport_bounds(
+    world_size: int, oneshot_max_bytes: int | None, twoshot_lamport_max_bytes: int | None
+) -> tuple[int, int]:
+    """(one-shot bound, Lamport two-shot bound), each the argument, else its variable, else
+    the default, in whole vectors: what sizes a workspace's Lamport slots (workspace_layout),
+    so a size estimate reads them as the workspace does."""
+    oneshot = _setting("oneshot_max_bytes", oneshot_max_bytes, MAX_MESSAGE_BYTES)
+    oneshot = oneshot or default_oneshot_max_bytes(world_size)
+    lamport = _setting("twoshot_lamport_max_bytes", twoshot_lamport_max_bytes, MAX_MESSAGE_BYTES)
+    lamport = lamport or default_twoshot_lamport_max_bytes(world_size)
+    return _round_up(oneshot, VECTOR_BYTES), _round_up(lamport, VECTOR_BYTES)
 
 
 ENV_OF_SETTING = {
@@ -349,9 +361,12 @@ def workspace_bytes(
     oneshot_max_bytes: int | None = None,
     twoshot_lamport_max_bytes: int | None = None,
 ) -> int:
-    """Bytes each GPU allocates for a workspace sized max_tokens x hidden."""
-    oneshot = oneshot_max_bytes or default_oneshot_max_bytes(world_size)
-    lamport = twoshot_lamport_max_bytes or default_twoshot_lamport_max_bytes(world_size)
+    """Bytes each GPU allocates for a workspace sized max_tokens x hidden, with the bounds it
+    would resolve (resolve_lamport_bounds: the environment included)."""
+    check_world_size(world_size)
+    oneshot, lamport = resolve_lamport_bounds(
+        world_size, oneshot_max_bytes, twoshot_lamport_max_bytes
+    )
     max_bytes = max_tokens * hidden * element_bytes
     return workspace_layout(world_size, max_bytes, oneshot, lamport).total_bytes
 
