@@ -681,3 +681,52 @@ def test_a_signal_during_a_c_extensions_import_still_counts_as_the_stop():
     except ImportError as exc:
         assert stop_requested_in(exc) is stop
     assert stop_requested_in(ValueError("unrelated")) is None
+
+
+def _frame_of(filename: str):
+    """A real frame whose code says it comes from ``filename``."""
+    namespace = {"sys": sys}
+    exec(compile("def here():\n    return sys._getframe()\n", filename, "exec"), namespace)
+    return namespace["here"]()
+
+
+IMPORT_SYSTEM = "<frozen importlib._bootstrap>"
+
+
+def test_a_signal_landing_in_the_import_system_is_not_raised_there():
+    """The handler runs wherever the main thread is. Raised inside importlib just after it took
+    the global import lock (a module lock's weakref callback), StopRequested left that lock held
+    while server threads imported `requests`: every thread blocked on it and the selftest
+    ignored SIGTERM (seen in CI). The stop is recorded there and raised later, elsewhere."""
+    import signal
+
+    stop = selftest.SignalStop()
+    stop.handler(signal.SIGTERM, _frame_of(IMPORT_SYSTEM))  # no raise
+    assert isinstance(stop.requested(), selftest.StopRequested)
+    assert stop.requested().signum == signal.SIGTERM
+
+
+def test_a_stop_put_off_by_the_import_system_is_raised_once_our_code_runs_again():
+    """Within stop_on_signals a put-off stop is tried again every few milliseconds (SIGALRM) and
+    raised at the first point outside the import system: here, this test's sleep."""
+    import signal
+    import time
+
+    with selftest.stop_on_signals() as stop:
+        begun = time.monotonic()
+        with pytest.raises(selftest.StopRequested):
+            stop.handler(signal.SIGINT, _frame_of(IMPORT_SYSTEM))
+            time.sleep(5)
+        assert time.monotonic() - begun < 1
+        time.sleep(0.3)  # no second raise: the retries stop once it was raised
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_signal_landing_elsewhere_still_raises_at_once():
+    import signal
+
+    stop = selftest.SignalStop()
+    with pytest.raises(selftest.StopRequested):
+        stop.handler(signal.SIGTERM, sys._getframe())
+    stop.handler(signal.SIGTERM, sys._getframe())  # a second signal: ignored during cleanup

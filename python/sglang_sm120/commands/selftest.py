@@ -377,29 +377,68 @@ class SignalStop:
     once, so every ``finally`` stops its server; a second signal while that cleanup runs is
     ignored rather than cutting it short. CPython runs the handler wherever the main thread is,
     in a finalizer the garbage collector runs there too, and only prints what a finalizer
-    raises: ``requested`` lets the waits raise that stop again."""
+    raises: ``requested`` lets the waits raise that stop again.
+
+    Never inside the import system: raised there just after importlib took its global lock
+    (in a module lock's weakref callback), the stop left that lock held while server threads
+    imported, and every thread blocked on it for good. A stop that lands there is put off, and
+    tried again every ``RETRY_S`` (SIGALRM, within ``stop_on_signals``) until the main thread
+    is elsewhere; a wait that asks ``requested`` raises it too."""
+
+    RETRY_S = 0.01
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.raised = False  # by the handler, or handed to a wait by ``requested``
+        self.retry_by_alarm = False  # stop_on_signals: SIGALRM runs ``retry``
 
     def handler(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
+        if self.signum is None:
+            self.signum = signum
+        self._raise_unless_importing(frame)
+
+    def retry(self, signum: int, frame: Any) -> None:
+        """SIGALRM: a stop put off by the import system, tried again."""
+        self._raise_unless_importing(frame)
+
+    def _raise_unless_importing(self, frame: Any) -> None:
+        if self.raised or self.signum is None:
             return
-        self.signum = signum
-        raise StopRequested(signum)
+        if in_import_system(frame):
+            if self.retry_by_alarm:
+                signal.setitimer(signal.ITIMER_REAL, self.RETRY_S)
+            return
+        self.raised = True
+        raise StopRequested(self.signum)
 
     def requested(self) -> StopRequested | None:
-        return None if self.signum is None else StopRequested(self.signum)
+        if self.signum is None:
+            return None
+        self.raised = True
+        return StopRequested(self.signum)
+
+
+def in_import_system(frame: Any) -> bool:
+    """Whether the main thread was interrupted in importlib's own code (frozen, or from its
+    sources): a raise there may leave an import lock held."""
+    if frame is None:
+        return False
+    filename = frame.f_code.co_filename
+    return filename.startswith("<frozen importlib.") or Path(filename).parent.name == "importlib"
 
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[SignalStop]:
-    """SIGINT and SIGTERM handled by a SignalStop while the block runs."""
+    """SIGINT and SIGTERM handled by a SignalStop while the block runs (SIGALRM retries a stop
+    the import system put off)."""
     stop = SignalStop()
+    stop.retry_by_alarm = True
     previous = {s: signal.signal(s, stop.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, stop.retry)
     try:
         yield stop
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         for signum, old in previous.items():
             signal.signal(signum, old)
 
