@@ -683,14 +683,21 @@ def test_a_signal_during_a_c_extensions_import_still_counts_as_the_stop():
     assert stop_requested_in(ValueError("unrelated")) is None
 
 
-def _frame_of(filename: str):
-    """A real frame whose code says it comes from ``filename``."""
-    namespace = {"sys": sys}
-    exec(compile("def here():\n    return sys._getframe()\n", filename, "exec"), namespace)
+def _frame_in(module: str):
+    """A real frame of a function that module ``module`` defines."""
+    namespace = {"__name__": module, "sys": sys}
+    exec(compile("def here():\n    return sys._getframe()\n", module, "exec"), namespace)
     return namespace["here"]()
 
 
-IMPORT_SYSTEM = "<frozen importlib._bootstrap>"
+def _wait_in(module: str):
+    """``wait(seconds)``, a sleep that module ``module`` defines."""
+    namespace = {"__name__": module}
+    exec(compile("import time\ndef wait(s):\n    time.sleep(s)\n", module, "exec"), namespace)
+    return namespace["wait"]
+
+
+OURS = "sglang_sm120.commands.e2e"
 
 
 def test_a_signal_landing_in_the_import_system_is_not_raised_there():
@@ -698,35 +705,68 @@ def test_a_signal_landing_in_the_import_system_is_not_raised_there():
     the global import lock (a module lock's weakref callback), StopRequested left that lock held
     while server threads imported `requests`: every thread blocked on it and the selftest
     ignored SIGTERM (seen in CI). The stop is recorded there and raised later, elsewhere."""
+    import importlib._bootstrap
     import signal
 
     stop = selftest.SignalStop()
-    stop.handler(signal.SIGTERM, _frame_of(IMPORT_SYSTEM))  # no raise
-    assert isinstance(stop.requested(), selftest.StopRequested)
+    stop.handler(signal.SIGTERM, _frame_in(importlib._bootstrap.__name__))  # no raise
+    assert stop.put_off
     assert stop.requested().signum == signal.SIGTERM
+    assert not stop.put_off  # handed to the wait that asked
 
 
-def test_a_stop_put_off_by_the_import_system_is_raised_once_our_code_runs_again():
-    """Within stop_on_signals a put-off stop is tried again every few milliseconds (SIGALRM) and
-    raised at the first point outside the import system: here, this test's sleep."""
-    import signal
-    import time
-
-    with selftest.stop_on_signals() as stop:
-        begun = time.monotonic()
-        with pytest.raises(selftest.StopRequested):
-            stop.handler(signal.SIGINT, _frame_of(IMPORT_SYSTEM))
-            time.sleep(5)
-        assert time.monotonic() - begun < 1
-        time.sleep(0.3)  # no second raise: the retries stop once it was raised
-    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-
-
-def test_a_signal_landing_elsewhere_still_raises_at_once():
+def test_a_signal_landing_in_our_code_raises_at_once_and_a_second_one_is_ignored():
     import signal
 
     stop = selftest.SignalStop()
     with pytest.raises(selftest.StopRequested):
-        stop.handler(signal.SIGTERM, sys._getframe())
-    stop.handler(signal.SIGTERM, sys._getframe())  # a second signal: ignored during cleanup
+        stop.handler(signal.SIGTERM, _frame_in(OURS))
+    stop.handler(signal.SIGINT, _frame_in(OURS))  # during the cleanup: ignored
+
+
+def test_a_signal_that_enters_the_handler_again_is_not_raised_inside_it():
+    """A second signal can run the handler inside the first call, with the first call's frame
+    as its own: raised there, it would leave the first call where that one put the stop off."""
+    import importlib._bootstrap
+    import signal
+
+    stop = selftest.SignalStop()
+    nested: list[bool] = []
+
+    def second_signal(frame, event, arg):
+        if event == "call" and frame.f_code is selftest.raising_is_safe.__code__ and not nested:
+            nested.append(False)
+            try:
+                stop.handler(signal.SIGINT, frame)
+            except selftest.StopRequested:
+                nested[0] = True
+        return None
+
+    sys.settrace(second_signal)
+    try:
+        stop.handler(signal.SIGTERM, _frame_in(importlib._bootstrap.__name__))
+    finally:
+        sys.settrace(None)
+    assert nested == [False]
+    assert stop.put_off and stop.signum == signal.SIGTERM
+
+
+def test_a_put_off_stop_is_raised_once_our_code_runs_again():
+    """Within stop_on_signals the main thread is sent a put-off stop's signal again every few
+    milliseconds; it is raised at the first of these that finds our code (here, a wait)."""
+    import importlib._bootstrap
+    import signal
+    import threading
+    import time
+
+    wait = _wait_in(OURS)
+    before = signal.getsignal(signal.SIGTERM)
+    with selftest.stop_on_signals() as stop:
+        stop.handler(signal.SIGTERM, _frame_in(importlib._bootstrap.__name__))
+        begun = time.monotonic()
+        with pytest.raises(selftest.StopRequested):
+            wait(5)
+        assert time.monotonic() - begun < 1
+        wait(0.2)  # raised once: no second raise
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not any(t.name == "selftest-stop-nudge" for t in threading.enumerate())

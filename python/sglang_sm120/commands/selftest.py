@@ -379,66 +379,85 @@ class SignalStop:
     in a finalizer the garbage collector runs there too, and only prints what a finalizer
     raises: ``requested`` lets the waits raise that stop again.
 
-    Never inside the import system: raised there just after importlib took its global lock
-    (in a module lock's weakref callback), the stop left that lock held while server threads
-    imported, and every thread blocked on it for good. A stop that lands there is put off, and
-    tried again every ``RETRY_S`` (SIGALRM, within ``stop_on_signals``) until the main thread
-    is elsewhere; a wait that asks ``requested`` raises it too."""
+    It raises only in our own code (``raising_is_safe``). Raised in library code that had just
+    taken a lock (importlib after taking its global lock, in a module lock's weakref callback),
+    the stop left that lock held while server threads imported, and every thread blocked on it
+    for good. A stop that lands elsewhere is put off: ``stop_on_signals`` sends its signal to
+    the main thread again until it lands in our code, and every wait that asks ``requested``
+    raises it."""
 
-    RETRY_S = 0.01
+    NUDGE_S = 0.01  # how often a put-off stop's signal is sent to the main thread again
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.raised = False  # by the handler, or handed to a wait by ``requested``
-        self.retry_by_alarm = False  # stop_on_signals: SIGALRM runs ``retry``
+        self.delivered = False  # raised by the handler, or handed to a wait by ``requested``
+        self.closing = False  # stop_on_signals is restoring the handlers: record only
 
     def handler(self, signum: int, frame: Any) -> None:
         if self.signum is None:
             self.signum = signum
-        self._raise_unless_importing(frame)
-
-    def retry(self, signum: int, frame: Any) -> None:
-        """SIGALRM: a stop put off by the import system, tried again."""
-        self._raise_unless_importing(frame)
-
-    def _raise_unless_importing(self, frame: Any) -> None:
-        if self.raised or self.signum is None:
+        if self.delivered or self.closing or not raising_is_safe(frame):
             return
-        if in_import_system(frame):
-            if self.retry_by_alarm:
-                signal.setitimer(signal.ITIMER_REAL, self.RETRY_S)
-            return
-        self.raised = True
+        self.delivered = True
         raise StopRequested(self.signum)
+
+    @property
+    def put_off(self) -> bool:
+        """A stop recorded and not yet raised."""
+        return self.signum is not None and not self.delivered and not self.closing
 
     def requested(self) -> StopRequested | None:
         if self.signum is None:
             return None
-        self.raised = True
+        self.delivered = True
         return StopRequested(self.signum)
 
 
-def in_import_system(frame: Any) -> bool:
-    """Whether the main thread was interrupted in importlib's own code (frozen, or from its
-    sources): a raise there may leave an import lock held."""
-    if frame is None:
+def raising_is_safe(frame: Any) -> bool:
+    """Whether the main thread, interrupted at ``frame``, runs our own code (its waits are
+    written for a raise anywhere), and not this handler itself, which a second signal can
+    enter again: raised there, the stop would leave the first call where it was put off."""
+    if frame is None or not frame.f_globals.get("__name__", "").startswith("sglang_sm120."):
         return False
-    filename = frame.f_code.co_filename
-    return filename.startswith("<frozen importlib.") or Path(filename).parent.name == "importlib"
+    while frame is not None:
+        if frame.f_code in _HANDLER_CODES:
+            return False
+        frame = frame.f_back
+    return True
+
+
+_HANDLER_CODES = frozenset({SignalStop.handler.__code__, raising_is_safe.__code__})
+
+
+def _nudge(stop: SignalStop, main_thread: int, done: threading.Event) -> None:
+    """Sends a put-off stop's signal to the main thread again every ``NUDGE_S`` until it is
+    raised. A thread, not an interval timer: SIGALRM is the process's (libraries use it), and
+    a signal sent to the main thread alone waits while ``e2e._stop`` blocks it there."""
+    while not done.wait(SignalStop.NUDGE_S):
+        signum = stop.signum
+        if stop.put_off and signum is not None and not done.is_set():
+            signal.pthread_kill(main_thread, signum)
 
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[SignalStop]:
-    """SIGINT and SIGTERM handled by a SignalStop while the block runs (SIGALRM retries a stop
-    the import system put off)."""
+    """SIGINT and SIGTERM handled by a SignalStop while the block runs."""
     stop = SignalStop()
-    stop.retry_by_alarm = True
     previous = {s: signal.signal(s, stop.handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, stop.retry)
+    done = threading.Event()
+    nudger = threading.Thread(
+        target=_nudge,
+        args=(stop, threading.main_thread().ident, done),
+        name="selftest-stop-nudge",
+        daemon=True,
+    )
+    nudger.start()
     try:
         yield stop
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        stop.closing = True  # a signal from here on is recorded, not raised
+        done.set()
+        nudger.join(timeout=5)
         for signum, old in previous.items():
             signal.signal(signum, old)
 
@@ -695,6 +714,9 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_signals() as signals:
         try:
             report = run_selftest(args, tp, work, log_dir, signals)
+            late = signals.requested()  # a stop put off until the work was done
+            if late is not None:
+                raise late
         except BaseException as exc:
             stop = stop_requested_in(exc)
             if stop is None:
