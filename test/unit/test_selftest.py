@@ -724,6 +724,21 @@ def test_a_signal_landing_in_our_code_raises_at_once_and_a_second_one_is_ignored
     stop.handler(signal.SIGINT, _frame_in(OURS))  # during the cleanup: ignored
 
 
+def test_a_signal_landing_in_a_module_body_raises_there_so_a_slow_import_stops_at_once():
+    """importlib unwinds an import whose module body raised, releasing its locks; the import of
+    SGLang that asks for the plan takes seconds, which a put-off stop would wait out."""
+    import signal
+
+    namespace = {"__name__": "some_library", "sys": sys}
+    exec(compile("body = sys._getframe()", "some_library.py", "exec"), namespace)
+    stop = selftest.SignalStop()
+    with pytest.raises(selftest.StopRequested):
+        stop.handler(signal.SIGTERM, namespace["body"])
+    stop = selftest.SignalStop()
+    stop.handler(signal.SIGTERM, _frame_in("some_library"))  # a function of it: put off
+    assert stop.put_off
+
+
 def test_a_signal_that_enters_the_handler_again_is_not_raised_inside_it():
     """A second signal can run the handler inside the first call, with the first call's frame
     as its own: raised there, it would leave the first call where that one put the stop off."""

@@ -379,12 +379,12 @@ class SignalStop:
     in a finalizer the garbage collector runs there too, and only prints what a finalizer
     raises: ``requested`` lets the waits raise that stop again.
 
-    It raises only in our own code (``raising_is_safe``). Raised in library code that had just
-    taken a lock (importlib after taking its global lock, in a module lock's weakref callback),
-    the stop left that lock held while server threads imported, and every thread blocked on it
-    for good. A stop that lands elsewhere is put off: ``stop_on_signals`` sends its signal to
-    the main thread again until it lands in our code, and every wait that asks ``requested``
-    raises it."""
+    It raises only in our own code or a module body (``raising_is_safe``). Raised in library
+    code that had just taken a lock (importlib after taking its global lock, in a module lock's
+    weakref callback), the stop left that lock held while server threads imported, and every
+    thread blocked on it for good. A stop that lands elsewhere is put off: ``stop_on_signals``
+    sends its signal to the main thread again until it lands where it may raise, and every
+    wait that asks ``requested`` raises it."""
 
     NUDGE_S = 0.01  # how often a put-off stop's signal is sent to the main thread again
 
@@ -415,9 +415,16 @@ class SignalStop:
 
 def raising_is_safe(frame: Any) -> bool:
     """Whether the main thread, interrupted at ``frame``, runs our own code (its waits are
-    written for a raise anywhere), and not this handler itself, which a second signal can
-    enter again: raised there, the stop would leave the first call where it was put off."""
-    if frame is None or not frame.f_globals.get("__name__", "").startswith("sglang_sm120."):
+    written for a raise anywhere) or the body of a module being imported (importlib unwinds
+    that import and releases its locks: SGLang's import, asking for the plan, takes seconds),
+    and not this handler itself, which a second signal can enter again: raised there, the
+    stop would leave the first call where it was put off."""
+    if frame is None:
+        return False
+    module = frame.f_globals.get("__name__", "")
+    if module == "importlib" or module.startswith("importlib."):
+        return False
+    if not module.startswith("sglang_sm120.") and frame.f_code.co_name != "<module>":
         return False
     while frame is not None:
         if frame.f_code in _HANDLER_CODES:
