@@ -15,6 +15,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+from code_in_module import frame_in
 from processes import gone, server_pids
 from sglang_sm120.commands import e2e as h
 from sglang_sm120.commands import selftest
@@ -526,10 +527,7 @@ def test_a_stop_whose_raise_a_finalizer_swallowed_still_ends_the_wait(
     class Garbage:
         pass
 
-    # The handler raises only where our own code runs: the frame it is given is e2e's.
-    namespace = {"__name__": h.__name__, "sys": sys}
-    exec(compile("def here():\n    return sys._getframe()\n", h.__file__, "exec"), namespace)
-    in_e2e = namespace["here"]()
+    in_e2e = frame_in(h.__name__)  # the handler raises only where our own code runs
 
     def signal_lands_in_a_finalizer() -> None:
         cycle = Garbage()

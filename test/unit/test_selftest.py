@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from code_in_module import frame_in, wait_in
 from sglang_sm120.commands import e2e, selftest
 from sglang_sm120.commands.selftest import AcceptFloor, Outcome, evaluate
 from sglang_sm120.machine.facts import GpuInfo, HostFacts
@@ -683,20 +684,6 @@ def test_a_signal_during_a_c_extensions_import_still_counts_as_the_stop():
     assert stop_requested_in(ValueError("unrelated")) is None
 
 
-def _frame_in(module: str):
-    """A real frame of a function that module ``module`` defines."""
-    namespace = {"__name__": module, "sys": sys}
-    exec(compile("def here():\n    return sys._getframe()\n", module, "exec"), namespace)
-    return namespace["here"]()
-
-
-def _wait_in(module: str):
-    """``wait(seconds)``, a sleep that module ``module`` defines."""
-    namespace = {"__name__": module}
-    exec(compile("import time\ndef wait(s):\n    time.sleep(s)\n", module, "exec"), namespace)
-    return namespace["wait"]
-
-
 OURS = "sglang_sm120.commands.e2e"
 
 
@@ -709,7 +696,7 @@ def test_a_signal_landing_in_the_import_system_is_not_raised_there():
     import signal
 
     stop = selftest.SignalStop()
-    stop.handler(signal.SIGTERM, _frame_in(importlib._bootstrap.__name__))  # no raise
+    stop.handler(signal.SIGTERM, frame_in(importlib._bootstrap.__name__))  # no raise
     assert stop.put_off
     assert stop.requested().signum == signal.SIGTERM
     assert not stop.put_off  # handed to the wait that asked
@@ -720,8 +707,8 @@ def test_a_signal_landing_in_our_code_raises_at_once_and_a_second_one_is_ignored
 
     stop = selftest.SignalStop()
     with pytest.raises(selftest.StopRequested):
-        stop.handler(signal.SIGTERM, _frame_in(OURS))
-    stop.handler(signal.SIGINT, _frame_in(OURS))  # during the cleanup: ignored
+        stop.handler(signal.SIGTERM, frame_in(OURS))
+    stop.handler(signal.SIGINT, frame_in(OURS))  # during the cleanup: ignored
 
 
 def test_a_signal_landing_in_a_module_body_raises_there_so_a_slow_import_stops_at_once():
@@ -735,7 +722,7 @@ def test_a_signal_landing_in_a_module_body_raises_there_so_a_slow_import_stops_a
     with pytest.raises(selftest.StopRequested):
         stop.handler(signal.SIGTERM, namespace["body"])
     stop = selftest.SignalStop()
-    stop.handler(signal.SIGTERM, _frame_in("some_library"))  # a function of it: put off
+    stop.handler(signal.SIGTERM, frame_in("some_library"))  # a function of it: put off
     assert stop.put_off
 
 
@@ -759,7 +746,7 @@ def test_a_signal_that_enters_the_handler_again_is_not_raised_inside_it():
 
     sys.settrace(second_signal)
     try:
-        stop.handler(signal.SIGTERM, _frame_in(importlib._bootstrap.__name__))
+        stop.handler(signal.SIGTERM, frame_in(importlib._bootstrap.__name__))
     finally:
         sys.settrace(None)
     assert nested == [False]
@@ -774,10 +761,10 @@ def test_a_put_off_stop_is_raised_once_our_code_runs_again():
     import threading
     import time
 
-    wait = _wait_in(OURS)
+    wait = wait_in(OURS)
     before = signal.getsignal(signal.SIGTERM)
     with selftest.stop_on_signals() as stop:
-        stop.handler(signal.SIGTERM, _frame_in(importlib._bootstrap.__name__))
+        stop.handler(signal.SIGTERM, frame_in(importlib._bootstrap.__name__))
         begun = time.monotonic()
         with pytest.raises(selftest.StopRequested):
             wait(5)

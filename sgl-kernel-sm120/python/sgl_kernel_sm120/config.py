@@ -363,7 +363,6 @@ def workspace_bytes(
 ) -> int:
     """Bytes each GPU allocates for a workspace sized max_tokens x hidden, with the bounds it
     would resolve (resolve_lamport_bounds: the environment included)."""
-    check_world_size(world_size)
     oneshot, lamport = resolve_lamport_bounds(
         world_size, oneshot_max_bytes, twoshot_lamport_max_bytes
     )
