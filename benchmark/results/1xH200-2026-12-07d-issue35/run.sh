@@ -16,16 +16,12 @@
 #       1 token, world 2 and 8, hidden 7168 and 8), then their all-reduce GPU tests (not run)
 #   bash benchmark/results/1xH200-2026-12-07d-issue35/run.sh tests OUT
 #       all of test/gpu with this checkout's kernel required
-#   bash benchmark/results/1xH200-2026-12-07d-issue35/run.sh then-and-now OUT
-#       issue 35's table on one GPU: 1e70e21's tree (its kernel, Python and bench_allreduce.py,
-#       carried as .out/old: `git archive 1e70e21 sgl-kernel-sm120/csrc sgl-kernel-sm120/python
-#       python benchmark/bench_allreduce.py | tar -x -C .out/old`) and this checkout's, each
-#       with its own bench_allreduce.py --mode local --skip-baselines, ROUNDS (default 2) in
-#       alternation, TOKENS (default 1 4 16 64 128 256 2048)
+#   (The issue's table before and after, prepared here as a fourth step and not run, ran in
+#   the next round: benchmark/results/1xH100-2026-12-08-issue35/run.sh then-and-now.)
 # Each step writes its output under OUT and packs it as OUT/<step>.tar.gz.
 set -uo pipefail
-STEP=${1:?usage: run.sh ab|timeline|tests|then-and-now OUT}
-OUT=$(realpath -m "${2:?usage: run.sh ab|timeline|tests|then-and-now OUT}")
+STEP=${1:?usage: run.sh ab|timeline|tests OUT}
+OUT=$(realpath -m "${2:?usage: run.sh ab|timeline|tests OUT}")
 mkdir -p "$OUT/$STEP"
 trap 'tar -C "$OUT" -czf "$OUT/$STEP.tar.gz" "$STEP"' EXIT
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
@@ -70,27 +66,5 @@ tests)
   SGLANG_SM120_KERNEL_LIBRARY=$lib SGLANG_SM120_KERNEL_REQUIRED=1 \
     python3 -m pytest -q -p no:cacheprovider test/gpu 2>&1 | tail -n 40 | tee "$OUT/$STEP/gpu.txt"
   ;;
-then-and-now)
-  for tree in old now; do
-    root=$PWD; [ $tree = old ] && root=$PWD/.out/old
-    [ -f "$WORK/$tree.so" ] || nvcc -shared -O3 -std=c++17 --cudart static \
-      -Xcompiler=-fPIC,-fvisibility=hidden "--generate-code=arch=compute_$cc,code=sm_$cc" \
-      -I "$root/sgl-kernel-sm120/csrc" -o "$WORK/$tree.so" "$root/sgl-kernel-sm120/csrc/all_reduce.cu" \
-      || exit 1
-  done
-  for round in $(seq 1 "${ROUNDS:-2}"); do
-    for tree in old now; do
-      root=$PWD; [ $tree = old ] && root=$PWD/.out/old
-      echo "== $tree, round $round"
-      (cd "$root" && PYTHONPATH=$root/sgl-kernel-sm120/python:$root/python \
-        SGLANG_SM120_KERNEL_LIBRARY=$WORK/$tree.so SGLANG_SM120_KERNEL_REQUIRED=1 \
-        python3 benchmark/bench_allreduce.py --mode local --skip-baselines \
-        --tokens ${TOKENS:-1 4 16 64 128 256 2048} --out-dir "$WORK/tan/$tree-$round") \
-        > "$OUT/$STEP/bench-$tree-$round.txt" 2>&1 || tail -n 20 "$OUT/$STEP/bench-$tree-$round.txt"
-    done
-  done
-  tar -C "$WORK/tan" -czf "$OUT/$STEP/json.tar.gz" .
-  tail -n 30 "$OUT/$STEP"/bench-*-1.txt
-  ;;
-*) echo "unknown step $STEP (ab, timeline, tests or then-and-now)"; exit 2 ;;
+*) echo "unknown step $STEP (ab, timeline or tests)"; exit 2 ;;
 esac
